@@ -1,0 +1,5 @@
+import sys
+
+from adloco.cli import main
+
+sys.exit(main())

@@ -1,0 +1,77 @@
+"""Pseudo-gradients and outer optimizers (DiLoCo, LocalSGD, DDP as special cases)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def worker_delta(global_params: Sequence[torch.Tensor], worker_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One worker's contribution θ − θ_m, in float32 (or the params' dtype when wider)."""
+    return [(g - w).to(_reduce_dtype(g)) for g, w in zip(global_params, worker_params, strict=True)]
+
+
+def sum_in_order(contributions: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """Sum per-worker tensor lists in the given order.
+
+    The order is part of the result in floating point, so callers pass workers sorted by id: that is
+    what makes one rank hosting M slots and M ranks hosting one slot each produce the same bits.
+    """
+    if not contributions:
+        raise ValueError("no contributions to sum")
+    total = [t.clone() for t in contributions[0]]
+    for tensors in contributions[1:]:
+        for acc, t in zip(total, tensors, strict=True):
+            acc.add_(t)
+    return total
+
+
+def pseudo_gradient(
+    global_params: Sequence[torch.Tensor], workers_params: Sequence[Sequence[torch.Tensor]]
+) -> list[torch.Tensor]:
+    """Δ = (1/M) Σ_m (θ − θ_m), summed in worker order."""
+    total = sum_in_order([worker_delta(global_params, w) for w in workers_params])
+    return [t.div_(len(workers_params)) for t in total]
+
+
+def _reduce_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+class OuterOptimizer:
+    """SGD (optionally Nesterov) on the global parameters θ, driven by pseudo-gradients.
+
+    With lr 1 and no momentum the step sets θ to the workers' mean (LocalSGD). Parameters that receive
+    no pseudo-gradient in a step keep their momentum untouched (their grad stays None, never zero).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], lr: float, momentum: float = 0.0, nesterov: bool = False):
+        self.params = list(params)
+        self.optimizer = torch.optim.SGD(
+            self.params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, foreach=False
+        )
+
+    @torch.no_grad()
+    def step(self, delta: Sequence[torch.Tensor | None]) -> None:
+        for param, d in zip(self.params, delta, strict=True):
+            param.grad = None if d is None else d.to(param.dtype)
+        self.optimizer.step()
+        for param in self.params:
+            param.grad = None
+
+    def momentum_buffers(self) -> list[torch.Tensor | None]:
+        return [self.optimizer.state.get(p, {}).get("momentum_buffer") for p in self.params]
+
+    def set_momentum_buffers(self, buffers: Sequence[torch.Tensor | None]) -> None:
+        for param, buffer in zip(self.params, buffers, strict=True):
+            if buffer is None:
+                self.optimizer.state.pop(param, None)
+            else:
+                self.optimizer.state[param] = {"momentum_buffer": buffer.clone()}
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,89 @@
+"""Command line: ``adloco train [CONFIG.yaml] [key=value ...] [--resume RUN_DIR]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from adloco import __version__
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, as for every bad input
+        self.exit(EXIT_USAGE, f"adloco: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="adloco", description="Low-communication distributed training of language models.")
+    parser.add_argument("--version", action="version", version=f"adloco {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = commands.add_parser("train", help="train a model (default: DiLoCo, 4 workers, tiny LLaMA, Shakespeare)")
+    train.add_argument(
+        "items",
+        nargs="*",
+        metavar="[CONFIG.yaml] key=value",
+        help="an optional YAML config file followed by overrides such as method=adloco inner.lr=2e-3",
+    )
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    return parser
+
+
+def _split_items(items: list[str]) -> tuple[str | None, list[str]]:
+    config_file = None
+    overrides = []
+    for index, item in enumerate(items):
+        if index == 0 and "=" not in item:
+            config_file = item
+        else:
+            overrides.append(item)
+    return config_file, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from adloco.checkpoint import CheckpointError
+    from adloco.config import ConfigError, load_config
+    from adloco.data import DataError
+
+    try:
+        if args.command == "train":
+            return _train(args, load_config)
+    except (ConfigError, DataError, CheckpointError) as error:
+        print(f"adloco: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("adloco: interrupted; resume with --resume RUN_DIR from the last checkpoint", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _train(args: argparse.Namespace, load_config) -> int:
+    from rich.console import Console
+
+    from adloco.config import ConfigError
+    from adloco.training import resume_config, train
+
+    config_file, overrides = _split_items(args.items)
+    if args.resume:
+        if config_file or overrides:
+            raise ConfigError("--resume continues a run with its own config; give no config file or overrides")
+        run_dir = Path(args.resume)
+        config = resume_config(run_dir)
+    else:
+        run_dir = None
+        config = load_config(config_file, overrides)
+    console = Console(stderr=True)
+    result = train(config, resume=run_dir, console=console)
+    print(f"run directory: {result.run_dir}")
+    print(
+        f"final validation loss {result.val_loss:.4f} (perplexity {result.perplexity:.3f}) "
+        f"after {result.tokens:,} tokens, {result.rounds} rounds, {result.seconds:.1f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

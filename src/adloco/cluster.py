@@ -1,0 +1,248 @@
+"""All trainers and their workers: placement of worker slots, one round of training, merges."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PretrainedConfig
+
+from adloco.algorithms.batch_tests import BatchSizeController
+from adloco.algorithms.merge import merge_weights, merged_batch_size, select_merge_group, weighted_average
+from adloco.algorithms.switch import plan_micro_batches
+from adloco.comm.base import Communicator
+from adloco.config import TrainConfig
+from adloco.data import Corpus, TokenStream
+from adloco.model import build_model
+from adloco.trainer import Trainer
+from adloco.worker import Worker
+
+log = logging.getLogger(__name__)
+
+# Worker seeds are spread far apart so streams of different workers never share a generator state.
+_STREAM_SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class MergeEvent:
+    round: int
+    merged: list[int]
+    into: int
+    weights: list[float]
+    batch_size: int
+    workers: list[int]
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+@dataclass
+class StepReport:
+    step: int
+    lr: float
+    loss: dict[int, float]
+    tokens: int
+
+
+@dataclass
+class RoundReport:
+    steps: int
+    tokens: int
+    loss: dict[int, float] = field(default_factory=dict)
+    batch: dict[int, dict] = field(default_factory=dict)
+
+
+def placement(trainers: int, workers_per_trainer: int) -> dict[int, list[int]]:
+    """Worker ids of each trainer at the start: trainer k owns workers k·M … k·M + M − 1."""
+    return {k: list(range(k * workers_per_trainer, (k + 1) * workers_per_trainer)) for k in range(trainers)}
+
+
+class Cluster:
+    """The trainers and the worker slots this rank hosts; every rank runs the same rounds in lockstep."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        model_config: PretrainedConfig,
+        corpus: Corpus,
+        comm: Communicator,
+        hosted: Callable[[int], bool] = lambda worker_id: True,
+    ) -> None:
+        assert config.trainers is not None and config.sync_every is not None
+        self.config = config
+        self.comm = comm
+        self.context = int(model_config.max_position_embeddings)
+        batch = config.batch
+        self.collect_statistics = config.method == "adloco" or batch.test != "constant"
+        b_max = self.b_max = batch.b_max or batch.b_cap
+        self.trainers: dict[int, Trainer] = {}
+        self.workers: dict[int, Worker] = {}
+        for trainer_id, worker_ids in placement(config.trainers, config.workers).items():
+            init_seed = config.seed if config.merge.shared_init else config.seed + trainer_id
+            template = build_model(model_config, init_seed)
+            controller = BatchSizeController(
+                test=batch.test,
+                eta=batch.eta,
+                theta=batch.theta,
+                nu=batch.nu,
+                ema=batch.ema,
+                b_min=batch.b_min,
+                b_cap=batch.b_cap,
+                allow_shrink=batch.allow_shrink,
+            )
+            self.trainers[trainer_id] = Trainer(
+                trainer_id,
+                [p.detach() for p in template.parameters()],
+                worker_ids,
+                batch_size=batch.size,
+                outer_lr=config.outer.lr,
+                outer_momentum=config.outer.momentum,
+                nesterov=bool(config.outer.nesterov),
+                controller=controller,
+            )
+            for worker_id in worker_ids:
+                if not hosted(worker_id):
+                    continue
+                stream = TokenStream(corpus.train, self.context, seed=config.seed * _STREAM_SEED_STRIDE + worker_id)
+                self.workers[worker_id] = Worker(
+                    worker_id, copy.deepcopy(template), config.inner, stream, b_max, batch.switch_factor
+                )
+            self.trainers[trainer_id].broadcast(self.workers)
+        self.param_names = [name for name, _ in template.named_parameters()]
+
+    def trainer_of(self, worker_id: int) -> Trainer:
+        for trainer in self.trainers.values():
+            if worker_id in trainer.worker_ids:
+                return trainer
+        raise KeyError(worker_id)
+
+    def tokens_per_step(self) -> int:
+        """Tokens one inner step reads over all workers, following each worker's switch-mode plan."""
+        samples = 0
+        for trainer in self.trainers.values():
+            plan = plan_micro_batches(trainer.batch_size, self.b_max, self.config.batch.switch_factor)
+            samples += len(trainer.worker_ids) * plan.samples
+        return samples * self.context
+
+    def statistics_due(self, round_index: int) -> bool:
+        return self.collect_statistics and round_index % self.config.batch.test_every == 0
+
+    def run_round(
+        self,
+        round_index: int,
+        steps: int,
+        lr_at: Callable[[int], float],
+        on_step: Callable[[StepReport], None] | None = None,
+    ) -> RoundReport:
+        """H inner steps on every hosted worker, then each trainer's outer step and batch test."""
+        config = self.config
+        stats_due = self.statistics_due(round_index)
+        cross_worker = stats_due and config.batch.estimator == "cross_worker"
+        gram = config.batch.test == "inner_product"
+        owner = {w: t for t in self.trainers.values() for w in t.worker_ids}
+        report = RoundReport(steps=steps, tokens=0)
+        loss_sums = {k: 0.0 for k in self.trainers}
+        for step in range(steps):
+            lr = lr_at(step)
+            step_losses: dict[int, float] = {}
+            step_tokens = 0
+            for worker_id in sorted(self.workers):
+                trainer = owner[worker_id]
+                result = self.workers[worker_id].compute_gradients(
+                    trainer.batch_size,
+                    stats_groups=config.batch.groups if (stats_due and step == 0 and not cross_worker) else None,
+                    gram=gram,
+                    keep_gradient=cross_worker and step == steps - 1,
+                )
+                if result.statistics is not None:
+                    trainer.record_statistics(worker_id, result.statistics)
+                step_losses[worker_id] = result.loss
+                step_tokens += result.tokens
+            if config.method == "ddp":
+                for trainer in self.trainers.values():
+                    trainer.average_gradients(self.comm, self.workers)
+            for worker_id in sorted(self.workers):
+                self.workers[worker_id].step(lr)
+            losses = self._mean_losses(step_losses)
+            for k, value in losses.items():
+                loss_sums[k] += value
+            report.tokens += step_tokens
+            if on_step is not None:
+                on_step(StepReport(step=step, lr=lr, loss=losses, tokens=step_tokens))
+        for trainer in self.trainers.values():
+            if config.method == "ddp":
+                trainer.adopt_worker_params(self.workers)
+            else:
+                trainer.outer_step(self.comm, self.workers)
+            report.loss[trainer.trainer_id] = loss_sums[trainer.trainer_id] / steps
+            if stats_due:
+                statistics = (
+                    trainer.cross_worker_statistics(self.comm, self.workers)
+                    if cross_worker
+                    else trainer.combine_statistics(self.comm)
+                )
+                if statistics is not None:
+                    decision = trainer.decide_batch(statistics)
+                    report.batch[trainer.trainer_id] = decision.to_dict()
+        return report
+
+    def _mean_losses(self, step_losses: dict[int, float]) -> dict[int, float]:
+        """Each trainer's mean inner loss over all its workers (only scalars travel)."""
+        return {
+            k: self.comm.mean_scalars({w: [v] for w, v in step_losses.items() if w in t.worker_ids}, t.worker_ids)[0]
+            for k, t in self.trainers.items()
+        }
+
+    def maybe_merge(self, round_index: int) -> MergeEvent | None:
+        """Every ``merge.every`` rounds, merge the trainers with the smallest b_req into the first of them."""
+        merge = self.config.merge
+        if merge.policy == "off" or len(self.trainers) < 2 or (round_index + 1) % merge.every != 0:
+            return None
+        b_req = {k: t.batch_size for k, t in self.trainers.items()}
+        group = select_merge_group(b_req, min(merge.group_size, len(self.trainers)))
+        members = [self.trainers[k] for k in group]
+        weights = merge_weights(merge.policy, [t.batch_size for t in members], [len(t.worker_ids) for t in members])
+        theta = weighted_average([t.theta for t in members], weights)
+        momentum = weighted_average([t.outer.momentum_buffers() for t in members], weights)
+        survivor = members[0]
+        with torch.no_grad():
+            for target, value in zip(survivor.theta, theta, strict=True):
+                target.copy_(value)
+        if survivor.outer.optimizer.defaults["momentum"] > 0:
+            survivor.outer.set_momentum_buffers(momentum)
+        survivor.batch_size = merged_batch_size([t.batch_size for t in members])
+        for other in members[1:]:
+            survivor.worker_ids = sorted(survivor.worker_ids + other.worker_ids)
+            del self.trainers[other.trainer_id]
+        survivor.broadcast(self.workers)
+        event = MergeEvent(
+            round=round_index,
+            merged=group,
+            into=survivor.trainer_id,
+            weights=list(weights),
+            batch_size=survivor.batch_size,
+            workers=list(survivor.worker_ids),
+        )
+        log.info("merge: trainers %s into %d with weights %s", group, survivor.trainer_id, weights)
+        return event
+
+    def state_dict(self) -> dict:
+        return {
+            "trainers": {k: t.state_dict() for k, t in self.trainers.items()},
+            "workers": {w: worker.state_dict() for w, worker in self.workers.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        saved_trainers = state["trainers"]
+        for k in list(self.trainers):
+            if k not in saved_trainers:
+                del self.trainers[k]
+        for k, trainer_state in saved_trainers.items():
+            self.trainers[k].load_state_dict(trainer_state)
+        for w, worker in self.workers.items():
+            worker.load_state_dict(state["workers"][w])
+        for trainer in self.trainers.values():
+            trainer.broadcast(self.workers)

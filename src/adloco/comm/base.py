@@ -1,0 +1,55 @@
+"""The Communicator protocol: collectives over a trainer's workers, with byte and time accounting."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch.futures import Future
+
+
+@dataclass
+class CommStats:
+    """Running totals since the last ``take()``: payload bytes the workers send, seconds in collectives."""
+
+    bytes_sent: int = 0
+    seconds: float = 0.0
+
+    def take(self) -> CommStats:
+        taken = CommStats(self.bytes_sent, self.seconds)
+        self.bytes_sent, self.seconds = 0, 0.0
+        return taken
+
+
+def payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Communicator(Protocol):
+    """Combines per-worker contributions across the workers of one trainer.
+
+    Contributions are keyed by global worker id; a rank passes only the workers it hosts. Results are
+    summed in worker-id order so the numbers do not depend on how workers are placed on ranks.
+    """
+
+    rank: int
+    world_size: int
+    stats: CommStats
+
+    def mean_over_workers(
+        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
+    ) -> Future[list[torch.Tensor]]:
+        """Start averaging tensor lists over ``workers``; the future holds the mean."""
+        ...
+
+    def gather_over_workers(
+        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
+    ) -> Future[list[list[torch.Tensor]]]:
+        """Start gathering every worker's tensor list; the future holds them in worker-id order."""
+        ...
+
+    def mean_scalars(self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int]) -> list[float]:
+        """Average small vectors of scalars over ``workers`` (batch-test statistics, losses)."""
+        ...

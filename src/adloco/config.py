@@ -1,0 +1,271 @@
+"""One validated configuration object for a run, loaded from YAML plus ``key.sub=value`` overrides."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported as one line naming the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+class ModelConfig(_Section):
+    preset: Literal["tiny", "small", "medium", "micro-llama-300m"] = Field(
+        "tiny", description="LLaMA preset built offline with random init (see docs/models.md)."
+    )
+    context: int | None = Field(None, ge=2, description="Sequence length in tokens; default: the preset's context.")
+
+
+class DataConfig(_Section):
+    dataset: str = Field("tinyshakespeare", description="'tinyshakespeare' (bundled) or a path to a UTF-8 text file.")
+    tokenizer: Literal["byte"] = Field("byte", description="Tokenizer: 'byte' (vocabulary of 256).")
+    val_fraction: float = Field(0.1, gt=0, lt=1, description="Trailing fraction of the text used for validation.")
+
+
+class InnerConfig(_Section):
+    lr: float = Field(1e-3, gt=0, description="Peak inner (AdamW) learning rate.")
+    min_lr: float = Field(1e-4, ge=0, description="Learning rate at the end of the cosine decay.")
+    warmup_steps: int = Field(100, ge=0, description="Linear warm-up, in inner steps.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (matrices only; not norms/biases).")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    clip: float | None = Field(1.0, gt=0, description="Gradient-norm clipping per worker; null disables it.")
+
+
+class OuterConfig(_Section):
+    lr: float | None = Field(None, gt=0, description="Outer SGD learning rate (diloco/adloco: 0.7).")
+    momentum: float | None = Field(None, ge=0, lt=1, description="Outer momentum (diloco/adloco: 0.9).")
+    nesterov: bool | None = Field(None, description="Nesterov outer momentum (diloco/adloco: true).")
+
+
+class BatchConfig(_Section):
+    size: int = Field(3, ge=1, description="Per-worker batch b (samples per inner step) at the start.")
+    test: Literal["constant", "norm", "inner_product"] | None = Field(
+        None, description="Batch-size test; default 'norm' for adloco, 'constant' otherwise."
+    )
+    estimator: Literal["microbatch", "cross_worker"] = Field(
+        "microbatch", description="Gradient-variance estimator for the batch test."
+    )
+    eta: float = Field(0.8, gt=0, description="Norm-test tolerance η.")
+    theta: float = Field(0.8, gt=0, description="Augmented inner-product test: ϑ (inner-product part).")
+    nu: float = Field(1.0, gt=0, description="Augmented inner-product test: ν (orthogonal part).")
+    ema: float = Field(0.0, ge=0, lt=1, description="EMA smoothing of the test statistics across rounds.")
+    groups: int = Field(4, ge=2, description="k_max: groups the first step of a round is split into.")
+    b_min: int = Field(1, ge=1, description="Smallest per-worker batch the test may ask for.")
+    b_cap: int = Field(64, ge=1, description="Largest per-worker batch the test may ask for.")
+    allow_shrink: bool = Field(False, description="Let the test lower b (default: b never decreases).")
+    test_every: int = Field(1, ge=1, description="Run the batch test every this many rounds.")
+    switch_factor: float = Field(2.0, ge=1, description="Switch mode n: accumulate only when b_req > n·b_max.")
+    b_max: int | None = Field(
+        None,
+        ge=1,
+        description="Largest micro-batch per worker; null: probe it (memory budget) or b_cap on CPU.",
+    )
+
+
+class MergeConfig(_Section):
+    policy: Literal["off", "b_req", "pairwise_reference"] | None = Field(
+        None, description="Merge policy for multi-instance training; default 'b_req' for adloco."
+    )
+    every: int = Field(2, ge=1, description="Merge every this many rounds while more than one trainer is left.")
+    group_size: int = Field(2, ge=2, description="How many trainers (smallest b_req) merge at once.")
+    shared_init: bool = Field(False, description="Start every trainer from the same initial parameters.")
+
+
+class EvalConfig(_Section):
+    every: int = Field(5, ge=1, description="Evaluate θ every this many rounds.")
+    blocks: int = Field(128, ge=1, description="Validation blocks for the periodic evaluation.")
+    final_full: bool = Field(True, description="Evaluate the final θ on the whole validation split.")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(10, ge=1, description="Write a checkpoint every this many rounds (and at the end).")
+    keep: int = Field(2, ge=1, description="How many checkpoints to keep.")
+
+
+class RunConfig(_Section):
+    root: str = Field("runs", description="Folder under which run directories are created.")
+    name: str | None = Field(None, description="Run directory name; default <model>_<dataset>_<UTC time>.")
+    progress: bool = Field(True, description="Show a progress bar on the console.")
+    save_final: bool = Field(True, description="Export the final model in Hugging Face format.")
+
+
+Method = Literal["ddp", "localsgd", "diloco", "adloco"]
+
+# What each method means when the user leaves a key unset.
+_METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ddp": {"sync_every": 50, "trainers": 1, "outer": (1.0, 0.0, False), "test": "constant", "merge": "off"},
+    "localsgd": {
+        "sync_every": 50,
+        "trainers": 1,
+        "outer": (1.0, 0.0, False),
+        "test": "constant",
+        "merge": "off",
+    },
+    "diloco": {
+        "sync_every": 50,
+        "trainers": 1,
+        "outer": (0.7, 0.9, True),
+        "test": "constant",
+        "merge": "off",
+    },
+    "adloco": {"sync_every": 50, "trainers": 4, "outer": (0.7, 0.9, True), "test": "norm", "merge": "b_req"},
+}
+
+
+class TrainConfig(BaseModel):
+    """Everything a run needs; every key is documented in docs/configuration.md."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Method = Field("diloco", description="ddp | localsgd | diloco | adloco.")
+    workers: int = Field(4, ge=1, description="Workers per trainer (M).")
+    trainers: int | None = Field(None, ge=1, description="Model instances (K); default 4 for adloco, else 1.")
+    sync_every: int | None = Field(
+        None,
+        ge=1,
+        description="H: inner steps per round (ddp averages gradients every step; H only sets its round length).",
+    )
+    total_tokens: int = Field(1_536_000, ge=1, description="Training tokens over all workers and trainers.")
+    seed: int = Field(0, ge=0, description="Seed for init and data order; same seed ⇒ same numbers.")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    inner: InnerConfig = Field(default_factory=InnerConfig)
+    outer: OuterConfig = Field(default_factory=OuterConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    merge: MergeConfig = Field(default_factory=MergeConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _resolve_method_defaults(self) -> TrainConfig:
+        defaults = _METHOD_DEFAULTS[self.method]
+        if self.sync_every is None:
+            self.sync_every = defaults["sync_every"]
+        if self.trainers is None:
+            self.trainers = defaults["trainers"]
+        lr, momentum, nesterov = defaults["outer"]
+        if self.method in ("ddp", "localsgd"):
+            # These baselines are defined by their outer step; a different one would be another method.
+            for key, value, fixed in (("lr", self.outer.lr, lr), ("momentum", self.outer.momentum, momentum)):
+                if value is not None and value != fixed:
+                    raise ValueError(f"outer.{key}: {self.method} fixes it to {fixed}; use method=diloco to tune it")
+        self.outer.lr = lr if self.outer.lr is None else self.outer.lr
+        self.outer.momentum = momentum if self.outer.momentum is None else self.outer.momentum
+        self.outer.nesterov = nesterov if self.outer.nesterov is None else self.outer.nesterov
+        if self.outer.nesterov and self.outer.momentum == 0:
+            self.outer.nesterov = False
+        if self.batch.test is None:
+            self.batch.test = defaults["test"]
+        if self.merge.policy is None:
+            self.merge.policy = defaults["merge"] if self.trainers > 1 else "off"
+        if self.method == "ddp" and self.batch.test != "constant":
+            raise ValueError("batch.test: ddp runs with a constant batch")
+        if self.batch.b_min > self.batch.b_cap:
+            raise ValueError(f"batch.b_min ({self.batch.b_min}) is larger than batch.b_cap ({self.batch.b_cap})")
+        if self.inner.min_lr > self.inner.lr:
+            raise ValueError(f"inner.min_lr ({self.inner.min_lr}) is larger than inner.lr ({self.inner.lr})")
+        return self
+
+    @property
+    def total_workers(self) -> int:
+        assert self.trainers is not None
+        return self.trainers * self.workers
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as YAML so numbers, booleans and null work as on the command line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides to a nested dict (a new dict is returned)."""
+    result: dict[str, Any] = yaml.safe_load(yaml.safe_dump(data)) or {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        key, _, raw = item.partition("=")
+        key = key.strip()
+        parts = key.split(".")
+        if not key or any(not part for part in parts):
+            raise ConfigError(f"override '{item}' has an empty key")
+        node = result
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': '{part}' is not a section")
+            node = child
+        node[parts[-1]] = _parse_value(raw)
+    return result
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    location = ".".join(str(part) for part in first["loc"]) or "config"
+    if first["type"] == "extra_forbidden":
+        return f"unknown key '{location}'"
+    message = first["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+        return message if location == "config" else f"{location}: {message}"
+    given = first.get("input")
+    shown = repr(given) if not isinstance(given, dict) else "a section"
+    return f"{location}: {message} (got {shown})"
+
+
+def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Validate a config dict plus overrides; raises ConfigError with a one-line message."""
+    merged = apply_overrides(data or {}, overrides or [])
+    try:
+        return TrainConfig.model_validate(merged)
+    except ValidationError as error:
+        raise ConfigError(_describe(error)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Load a YAML config file (optional) and apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file '{path}' does not exist") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"config file '{path}' cannot be read: {error}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"config file '{path}' is not valid YAML{where}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of keys, not {type(loaded).__name__}")
+        data = loaded
+    return build_config(data, overrides)
+
+
+def steps_for_tokens(tokens: int, tokens_per_step: int) -> int:
+    return max(1, math.ceil(tokens / tokens_per_step))

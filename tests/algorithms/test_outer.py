@@ -1,0 +1,100 @@
+"""DESIGN §5 vectors 1–4: the outer step reduces to known single-process optimizers."""
+
+import pytest
+import torch
+
+from adloco.algorithms.outer import OuterOptimizer, pseudo_gradient
+
+F64 = torch.float64
+
+
+def _problem(seed: int = 0):
+    """A least-squares problem with 16 samples: per-sample loss ½(xᵀw − y)²."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(16, generator=g, dtype=torch.float64)
+    w0 = torch.randn(5, generator=g, dtype=torch.float64)
+    return x, y, w0
+
+
+def _grad(w, x, y):
+    return x.T @ (x @ w - y) / len(y)
+
+
+def _diloco(w0, x, y, inner_lr, outer_lr, momentum, nesterov, workers=4, inner_steps=1, rounds=20):
+    theta = [w0.clone()]
+    outer = OuterOptimizer(theta, lr=outer_lr, momentum=momentum, nesterov=nesterov)
+    shards = torch.arange(len(y)).chunk(workers)
+    for _ in range(rounds):
+        finals = []
+        for shard in shards:
+            w = theta[0].clone()
+            for _ in range(inner_steps):
+                w = w - inner_lr * _grad(w, x[shard], y[shard])
+            finals.append([w])
+        outer.step(pseudo_gradient(theta, finals))
+    return theta[0]
+
+
+def test_vector1_h1_plain_outer_equals_big_batch_sgd():
+    x, y, w0 = _problem()
+    got = _diloco(w0, x, y, inner_lr=0.1, outer_lr=1.0, momentum=0.0, nesterov=False)
+    w = w0.clone()
+    for _ in range(20):
+        w = w - 0.1 * _grad(w, x, y)
+    assert torch.allclose(got, w, atol=1e-12, rtol=0)
+    assert not torch.allclose(got, w0)
+
+
+def test_vector2_h1_nesterov_outer_equals_nesterov_sgd():
+    x, y, w0 = _problem(1)
+    gamma, eta, mu = 0.05, 0.7, 0.9
+    got = _diloco(w0, x, y, inner_lr=gamma, outer_lr=eta, momentum=mu, nesterov=True)
+    w = w0.clone().requires_grad_(False)
+    reference = [w]
+    opt = torch.optim.SGD(reference, lr=gamma * eta, momentum=mu, nesterov=True)
+    for _ in range(20):
+        reference[0].grad = _grad(reference[0], x, y)
+        opt.step()
+    assert torch.allclose(got, reference[0], atol=1e-12, rtol=0)
+
+
+def test_vector3_scalar_nesterov_sequence():
+    theta = [torch.zeros(1, dtype=F64)]
+    outer = OuterOptimizer(theta, lr=0.7, momentum=0.9, nesterov=True)
+    seen = []
+    for _ in range(3):
+        outer.step([torch.ones(1, dtype=F64)])
+        seen.append(float(theta[0]))
+    assert seen == pytest.approx([-1.33, -3.227, -5.6343], abs=1e-12)
+
+
+def test_vector4_localsgd_is_the_mean_of_workers():
+    x, y, w0 = _problem(2)
+    theta = [w0.clone()]
+    outer = OuterOptimizer(theta, lr=1.0, momentum=0.0)
+    shards = torch.arange(16).chunk(4)
+    finals = []
+    for shard in shards:  # H = 7 inner steps of a non-SGD optimizer: the result must still be the mean
+        w = w0.clone().requires_grad_(True)
+        opt = torch.optim.Adam([w], lr=0.05)
+        for _ in range(7):
+            opt.zero_grad()
+            (0.5 * ((x[shard] @ w - y[shard]) ** 2).mean()).backward()
+            opt.step()
+        finals.append([w.detach()])
+    outer.step(pseudo_gradient(theta, finals))
+    mean = torch.stack([f[0] for f in finals]).mean(0)
+    assert torch.allclose(theta[0], mean, atol=1e-12, rtol=0)
+
+
+def test_outer_step_leaves_params_without_delta_untouched():
+    theta = [torch.ones(3), torch.ones(2)]
+    outer = OuterOptimizer(theta, lr=0.7, momentum=0.9, nesterov=True)
+    outer.step([torch.ones(3), torch.ones(2)])
+    before = [t.clone() for t in theta]
+    momentum_before = [m.clone() for m in outer.momentum_buffers()]
+    outer.step([torch.ones(3), None])
+    assert torch.equal(theta[1], before[1])
+    assert torch.equal(outer.momentum_buffers()[1], momentum_before[1])
+    assert not torch.equal(theta[0], before[0])

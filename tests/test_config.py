@@ -1,0 +1,70 @@
+import pytest
+
+from adloco.config import ConfigError, build_config, load_config
+
+
+def test_defaults_resolve_per_method():
+    diloco = build_config()
+    assert (diloco.method, diloco.workers, diloco.trainers, diloco.sync_every) == ("diloco", 4, 1, 50)
+    assert (diloco.outer.lr, diloco.outer.momentum, diloco.outer.nesterov) == (0.7, 0.9, True)
+    ddp = build_config({"method": "ddp"})
+    assert ddp.outer.lr == 1.0 and ddp.outer.momentum == 0.0
+    local = build_config(overrides=["method=localsgd"])
+    assert local.outer.lr == 1.0 and local.outer.nesterov is False
+    adloco = build_config(overrides=["method=adloco"])
+    assert adloco.trainers == 4 and adloco.batch.test == "norm" and adloco.merge.policy == "b_req"
+
+
+def test_overrides_parse_yaml_values_and_nested_keys():
+    config = build_config(overrides=["inner.lr=2e-3", "batch.size=5", "outer.nesterov=false", "inner.clip=null"])
+    assert config.inner.lr == 2e-3 and config.batch.size == 5
+    assert config.outer.nesterov is False and config.inner.clip is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["workerz=3"], "unknown key 'workerz'"),
+        (["inner.lrr=1"], "unknown key 'inner.lrr'"),
+        (["workers=0"], "workers"),
+        (["workers=four"], "workers"),
+        (["method=sgd"], "method"),
+        (["inner.lr=-1"], "inner.lr"),
+        (["noequals"], "key=value"),
+        (["=3"], "empty key"),
+        (["inner=3"], "inner"),
+        (["inner.lr.x=3"], "inner.lr"),
+        (["method=localsgd", "outer.lr=0.5"], "outer.lr"),
+        (["batch.b_min=10", "batch.b_cap=5"], "b_min"),
+    ],
+)
+def test_bad_values_give_one_line_naming_the_key(overrides, fragment):
+    with pytest.raises(ConfigError) as error:
+        build_config(overrides=overrides)
+    message = str(error.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_yaml_file_and_errors(tmp_path):
+    good = tmp_path / "run.yaml"
+    good.write_text("method: adloco\nworkers: 2\ninner:\n  lr: 0.002\n")
+    config = load_config(good, ["workers=3"])
+    assert config.method == "adloco" and config.workers == 3 and config.inner.lr == 0.002
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("method: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(listing)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    config = build_config(overrides=["method=adloco", "batch.eta=0.5"])
+    path = tmp_path / "config.yaml"
+    path.write_text(config.to_yaml())
+    assert load_config(path) == config

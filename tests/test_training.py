@@ -1,0 +1,88 @@
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adloco.checkpoint import list_checkpoints
+from adloco.config import build_config
+from adloco.metrics import read_metrics
+from adloco.training import train
+
+
+def _final_params(run_dir):
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+@pytest.mark.parametrize("method", ["ddp", "localsgd", "diloco", "adloco"])
+def test_each_method_runs_end_to_end(method, fast_overrides):
+    result = train(build_config(overrides=[*fast_overrides, f"method={method}"]))
+    assert result.tokens >= 1024
+    assert torch.isfinite(torch.tensor(result.val_loss)) and result.val_loss < 5.6  # below uniform (ln 256)
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    rounds = [r for r in records if r["kind"] == "round"]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert rounds and steps and records[-1]["kind"] == "final"
+    assert rounds[-1]["tokens"] == result.tokens
+    assert (result.run_dir / "config.yaml").exists() and (result.run_dir / "train.log").exists()
+    assert (result.run_dir / "final" / "config.json").exists()
+    assert list_checkpoints(result.run_dir / "checkpoints")
+
+
+def test_bytes_counted_from_reduced_tensors(fast_overrides):
+    diloco = train(build_config(overrides=[*fast_overrides, "method=diloco", "total_tokens=256"]))
+    ddp = train(build_config(overrides=[*fast_overrides, "method=ddp", "total_tokens=256"]))
+    params = sum(t.numel() for t in _final_params(diloco.run_dir).values())
+    diloco_rounds = [r for r in read_metrics(diloco.run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    ddp_rounds = [r for r in read_metrics(ddp.run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    # 2 workers each send one fp32 pseudo-gradient per round (plus 8 bytes per loss scalar per step)
+    loss_bytes = 8 * 2 * diloco_rounds[0]["steps"]
+    assert diloco_rounds[0]["bytes"] == 2 * 4 * params + loss_bytes
+    # DDP sends a full gradient from every worker at every step, and no pseudo-gradient
+    assert ddp_rounds[0]["steps"] == diloco_rounds[0]["steps"]
+    assert ddp_rounds[0]["bytes"] == ddp_rounds[0]["steps"] * (2 * 4 * params + 8 * 2)
+
+
+def test_same_seed_same_numbers_and_other_seed_differs(fast_overrides):
+    a = train(build_config(overrides=[*fast_overrides, "total_tokens=256"]))
+    b = train(build_config(overrides=[*fast_overrides, "total_tokens=256"]))
+    c = train(build_config(overrides=[*fast_overrides, "total_tokens=256", "seed=1"]))
+    pa, pb, pc = _final_params(a.run_dir), _final_params(b.run_dir), _final_params(c.run_dir)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert not all(torch.equal(pa[k], pc[k]) for k in pa)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        ["method=diloco"],
+        ["method=adloco", "trainers=2", "workers=1", "merge.every=3", "batch.b_cap=4", "total_tokens=2048"],
+    ],
+)
+def test_resume_from_a_mid_run_checkpoint_is_bit_identical(method, fast_overrides, tmp_path):
+    config = build_config(overrides=[*fast_overrides, *method, "checkpoint.every=1", "checkpoint.keep=100"])
+    full = train(config)
+    checkpoints = list_checkpoints(full.run_dir / "checkpoints")
+    assert len(checkpoints) >= 4
+    # A copy of the run as it was on disk after round 2, as if the process had died then.
+    partial = tmp_path / "partial"
+    shutil.copytree(full.run_dir, partial)
+    shutil.rmtree(partial / "final")
+    for path in list_checkpoints(partial / "checkpoints")[2:]:
+        path.unlink()
+    resumed = train(config, resume=partial)
+    expected, got = _final_params(full.run_dir), _final_params(partial)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert resumed.val_loss == full.val_loss and resumed.tokens == full.tokens
+    full_rounds = [r for r in read_metrics(full.run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    resumed_rounds = [r for r in read_metrics(partial / "metrics.jsonl") if r["kind"] == "round"]
+    assert [r["round"] for r in resumed_rounds] == [r["round"] for r in full_rounds]
+    assert [r["train_loss"] for r in resumed_rounds] == [r["train_loss"] for r in full_rounds]
+
+
+def test_one_worker_diloco_localsgd_is_plain_adamw(fast_overrides):
+    """With a single worker LocalSGD's outer step copies the worker: training equals a plain AdamW loop."""
+    a = train(build_config(overrides=[*fast_overrides, "method=localsgd", "workers=1", "total_tokens=256"]))
+    b = train(build_config(overrides=[*fast_overrides, "method=ddp", "workers=1", "total_tokens=256"]))
+    pa, pb = _final_params(a.run_dir), _final_params(b.run_dir)
+    assert all(torch.allclose(pa[k], pb[k], atol=1e-6) for k in pa)

@@ -12,7 +12,9 @@ def test_defaults_resolve_per_method():
     local = build_config(overrides=["method=localsgd"])
     assert local.outer.lr == 1.0 and local.outer.nesterov is False
     adloco = build_config(overrides=["method=adloco"])
-    assert adloco.trainers == 4 and adloco.batch.test == "norm" and adloco.merge.policy == "b_req"
+    assert (
+        adloco.trainers == 4 and adloco.workers == 1 and adloco.batch.test == "norm" and adloco.merge.policy == "b_req"
+    )
 
 
 def test_overrides_parse_yaml_values_and_nested_keys():

@@ -86,3 +86,30 @@ def test_one_worker_diloco_localsgd_is_plain_adamw(fast_overrides):
     b = train(build_config(overrides=[*fast_overrides, "method=ddp", "workers=1", "total_tokens=256"]))
     pa, pb = _final_params(a.run_dir), _final_params(b.run_dir)
     assert all(torch.allclose(pa[k], pb[k], atol=1e-6) for k in pa)
+
+
+def test_adloco_grows_batches_and_merges_down_to_one_trainer(fast_overrides):
+    overrides = [
+        *fast_overrides,
+        "method=adloco",
+        "workers=1",
+        "batch.b_cap=8",
+        "merge.every=1",
+        "sync_every=3",
+        "total_tokens=4608",
+    ]
+    result = train(build_config(overrides=overrides))
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    rounds = [r for r in records if r["kind"] == "round"]
+    merges = [r for r in records if r["kind"] == "merge"]
+    assert rounds[0]["plan"].keys() == {"0", "1", "2", "3"}  # four trainers of one worker each at the start
+    assert len(merges) == 3 and rounds[-1]["workers"] == {"0": 4}
+    assert merges[-1]["workers"] == [0, 1, 2, 3]
+    assert sorted(w for m in merges for w in m["merged"] if w != m["into"]) == [1, 2, 3]
+    for merge in merges:  # b-weighted: weights follow the members' b_req at merge time
+        assert abs(sum(merge["weights"]) - 1) < 1e-12
+    sizes = [b for r in rounds for b in r["batch"].values()]
+    assert max(sizes) > 2  # the test asked for larger batches than the initial b = 2
+    decisions = [d for r in rounds if r["batch_test"] for d in r["batch_test"].values()]
+    assert decisions and all("sample_variance" in d and "b_req" in d for d in decisions)
+    assert all(r["plan"] for r in rounds)

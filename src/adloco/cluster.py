@@ -12,11 +12,12 @@ from transformers import PretrainedConfig
 
 from adloco.algorithms.batch_tests import BatchSizeController
 from adloco.algorithms.merge import merge_weights, merged_batch_size, select_merge_group, weighted_average
-from adloco.algorithms.switch import plan_micro_batches
+from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.comm.base import Communicator
-from adloco.config import TrainConfig
+from adloco.config import ConfigError, TrainConfig
 from adloco.data import Corpus, TokenStream
 from adloco.model import build_model
+from adloco.probe import ProcessMemoryMeter, probe_b_max, training_step_at
 from adloco.trainer import Trainer
 from adloco.worker import Worker
 
@@ -60,6 +61,23 @@ def placement(trainers: int, workers_per_trainer: int) -> dict[int, list[int]]:
     return {k: list(range(k * workers_per_trainer, (k + 1) * workers_per_trainer)) for k in range(trainers)}
 
 
+def resolve_b_max(config: TrainConfig, model: torch.nn.Module, context: int, vocab_size: int) -> int:
+    """b_max from the config, or probed with real steps when a memory budget is known."""
+    batch = config.batch
+    if batch.b_max is not None:
+        return batch.b_max
+    if batch.memory_budget_mb is None:
+        return batch.b_cap
+    step = training_step_at(model, context, vocab_size)
+    found = probe_b_max(step, ProcessMemoryMeter(), int(batch.memory_budget_mb * 2**20), upper=batch.b_cap)
+    if found == 0:
+        raise ConfigError(
+            f"batch.memory_budget_mb: not even one sample fits in {batch.memory_budget_mb} MiB at context {context}"
+        )
+    log.info("b_max probe: %d samples per micro-batch fit in %.0f MiB", found, batch.memory_budget_mb)
+    return found
+
+
 class Cluster:
     """The trainers and the worker slots this rank hosts; every rank runs the same rounds in lockstep."""
 
@@ -77,12 +95,14 @@ class Cluster:
         self.context = int(model_config.max_position_embeddings)
         batch = config.batch
         self.collect_statistics = config.method == "adloco" or batch.test != "constant"
-        b_max = self.b_max = batch.b_max or batch.b_cap
+        b_max = None
         self.trainers: dict[int, Trainer] = {}
         self.workers: dict[int, Worker] = {}
         for trainer_id, worker_ids in placement(config.trainers, config.workers).items():
             init_seed = config.seed if config.merge.shared_init else config.seed + trainer_id
             template = build_model(model_config, init_seed)
+            if b_max is None:
+                b_max = self.b_max = resolve_b_max(config, template, self.context, int(model_config.vocab_size))
             controller = BatchSizeController(
                 test=batch.test,
                 eta=batch.eta,
@@ -119,12 +139,15 @@ class Cluster:
                 return trainer
         raise KeyError(worker_id)
 
+    def plans(self) -> dict[int, MicroBatchPlan]:
+        """Each trainer's switch-mode plan for its current b_req."""
+        factor = self.config.batch.switch_factor
+        return {k: plan_micro_batches(t.batch_size, self.b_max, factor) for k, t in self.trainers.items()}
+
     def tokens_per_step(self) -> int:
         """Tokens one inner step reads over all workers, following each worker's switch-mode plan."""
-        samples = 0
-        for trainer in self.trainers.values():
-            plan = plan_micro_batches(trainer.batch_size, self.b_max, self.config.batch.switch_factor)
-            samples += len(trainer.worker_ids) * plan.samples
+        plans = self.plans()
+        samples = sum(len(t.worker_ids) * plans[k].samples for k, t in self.trainers.items())
         return samples * self.context
 
     def statistics_due(self, round_index: int) -> bool:

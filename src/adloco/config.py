@@ -69,7 +69,13 @@ class BatchConfig(_Section):
     b_max: int | None = Field(
         None,
         ge=1,
-        description="Largest micro-batch per worker; null: probe it (memory budget) or b_cap on CPU.",
+        description="Largest micro-batch per worker; null: probe it under the memory budget, or b_cap without one.",
+    )
+    memory_fraction: float = Field(
+        0.9, gt=0, le=1, description="b_max probe on CUDA: share of the device memory a step may peak at."
+    )
+    memory_budget_mb: float | None = Field(
+        None, gt=0, description="b_max probe on CPU: peak process memory (MiB) a step may reach; null: no probe."
     )
 
 
@@ -104,9 +110,17 @@ Method = Literal["ddp", "localsgd", "diloco", "adloco"]
 
 # What each method means when the user leaves a key unset.
 _METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
-    "ddp": {"sync_every": 50, "trainers": 1, "outer": (1.0, 0.0, False), "test": "constant", "merge": "off"},
+    "ddp": {
+        "sync_every": 50,
+        "workers": 4,
+        "trainers": 1,
+        "outer": (1.0, 0.0, False),
+        "test": "constant",
+        "merge": "off",
+    },
     "localsgd": {
         "sync_every": 50,
+        "workers": 4,
         "trainers": 1,
         "outer": (1.0, 0.0, False),
         "test": "constant",
@@ -114,12 +128,20 @@ _METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "diloco": {
         "sync_every": 50,
+        "workers": 4,
         "trainers": 1,
         "outer": (0.7, 0.9, True),
         "test": "constant",
         "merge": "off",
     },
-    "adloco": {"sync_every": 50, "trainers": 4, "outer": (0.7, 0.9, True), "test": "norm", "merge": "b_req"},
+    "adloco": {
+        "sync_every": 50,
+        "workers": 1,
+        "trainers": 4,
+        "outer": (0.7, 0.9, True),
+        "test": "norm",
+        "merge": "b_req",
+    },
 }
 
 
@@ -129,7 +151,9 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     method: Method = Field("diloco", description="ddp | localsgd | diloco | adloco.")
-    workers: int = Field(4, ge=1, description="Workers per trainer (M).")
+    workers: int | None = Field(
+        None, ge=1, description="Workers per trainer at the start (M); default 4, and 1 for adloco (4 trainers × 1)."
+    )
     trainers: int | None = Field(None, ge=1, description="Model instances (K); default 4 for adloco, else 1.")
     sync_every: int | None = Field(
         None,
@@ -156,6 +180,8 @@ class TrainConfig(BaseModel):
             self.sync_every = defaults["sync_every"]
         if self.trainers is None:
             self.trainers = defaults["trainers"]
+        if self.workers is None:
+            self.workers = defaults["workers"]
         lr, momentum, nesterov = defaults["outer"]
         if self.method in ("ddp", "localsgd"):
             # These baselines are defined by their outer step; a different one would be another method.
@@ -181,7 +207,7 @@ class TrainConfig(BaseModel):
 
     @property
     def total_workers(self) -> int:
-        assert self.trainers is not None
+        assert self.trainers is not None and self.workers is not None
         return self.trainers * self.workers
 
     def to_yaml(self) -> str:

@@ -160,6 +160,19 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
             round_index = counters["round"]
             round_start = time.perf_counter()
             per_step = cluster.tokens_per_step()
+            plans = cluster.plans()
+            for k, plan in plans.items():
+                if plan.mode != "single":
+                    log.info(
+                        "round %d trainer %d: b_req %d, b_max %d -> %s plan %s",
+                        round_index,
+                        k,
+                        cluster.trainers[k].batch_size,
+                        cluster.b_max,
+                        plan.mode,
+                        plan.sizes,
+                    )
+            batch_label = ",".join(str(t.batch_size) for t in cluster.trainers.values())
             steps = min(config.sync_every, math.ceil((total - counters["tokens"]) / per_step))
             first_step, tokens_before = counters["step"], counters["tokens"]
 
@@ -173,7 +186,7 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
                     config.inner.warmup_steps,
                 )
 
-            def on_step(report: StepReport, round_index=round_index) -> None:
+            def on_step(report: StepReport, round_index=round_index, batch_label=batch_label) -> None:
                 counters["step"] += 1
                 counters["tokens"] += report.tokens
                 metrics.write(
@@ -189,7 +202,8 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
                 progress.update(
                     task,
                     completed=min(counters["tokens"], total),
-                    status=f"round {round_index + 1} loss {mean_loss:.3f}{val}",
+                    status=f"round {round_index + 1} · {len(report.loss)} trainer(s) b={batch_label} · "
+                    f"loss {mean_loss:.3f}{val}",
                 )
 
             report = cluster.run_round(round_index, steps, lr_at, on_step)
@@ -216,6 +230,10 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
                 seconds=counters["seconds"],
                 batch={k: t.batch_size for k, t in cluster.trainers.items()},
                 batch_test=report.batch or None,
+                plan={
+                    k: {"micro": p.micro, "accum": p.accum, "samples": p.samples, "mode": p.mode}
+                    for k, p in plans.items()
+                },
                 workers={k: len(t.worker_ids) for k, t in cluster.trainers.items()},
                 merge=merge.to_dict() if merge else None,
             )

@@ -13,15 +13,9 @@ from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
 from adloco.model import next_token_loss
+from adloco.probe import is_out_of_memory
 
 log = logging.getLogger(__name__)
-
-
-def _is_out_of_memory(error: BaseException) -> bool:
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 def split_evenly(total: int, parts: int) -> list[int]:
@@ -98,7 +92,7 @@ class Worker:
             try:
                 return self._accumulate(inputs, targets, stats_groups, gram, keep_gradient)
             except (RuntimeError, torch.OutOfMemoryError) as error:
-                if not _is_out_of_memory(error) or self.b_max == 1:
+                if not is_out_of_memory(error) or self.b_max == 1:
                     raise
                 self.b_max = max(1, self.b_max // 2)
                 log.warning("worker %d ran out of memory; retrying the step with b_max=%d", self.worker_id, self.b_max)

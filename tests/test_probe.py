@@ -1,0 +1,66 @@
+import pytest
+import torch
+
+from adloco.model import build_model, preset_config
+from adloco.probe import ProcessMemoryMeter, probe_b_max, training_step_at
+
+
+class LinearMemory:
+    """A device whose peak grows by ``per_sample`` bytes per sample over a fixed base."""
+
+    def __init__(self, base: int, per_sample: int) -> None:
+        self.base, self.per_sample, self.batch, self.calls = base, per_sample, 0, []
+
+    def step(self, batch: int) -> None:
+        self.batch = batch
+        self.calls.append(batch)
+
+    def reset(self) -> None:
+        self.batch = 0
+
+    def peak_bytes(self) -> int:
+        return self.base + self.per_sample * self.batch
+
+
+@pytest.mark.parametrize(("budget", "expected"), [(1000 + 10 * 37, 37), (1000 + 10 * 64, 64), (1005, 0), (10**9, 64)])
+def test_probe_finds_the_largest_fitting_batch(budget, expected):
+    memory = LinearMemory(base=1000, per_sample=10)
+    assert probe_b_max(memory.step, memory, budget, upper=64) == expected
+    assert len(memory.calls) <= 14  # a search, not a scan
+
+
+def test_probe_treats_out_of_memory_as_not_fitting():
+    memory = LinearMemory(base=0, per_sample=1)
+
+    def step(batch: int) -> None:
+        if batch > 20:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        memory.step(batch)
+
+    assert probe_b_max(step, memory, budget_bytes=10**9, upper=128) == 20
+
+
+def test_probe_does_not_swallow_other_errors():
+    memory = LinearMemory(0, 1)
+
+    def step(batch: int) -> None:
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        probe_b_max(step, memory, 100, upper=8)
+
+
+def test_real_step_on_process_memory_grows_with_batch():
+    """The real meter sees a bigger peak for a bigger batch of a real model's step."""
+    model = build_model(preset_config("tiny", 256), 0)
+    step = training_step_at(model, context=64, vocab_size=256)
+    meter = ProcessMemoryMeter()
+    peaks = {}
+    for batch in (2, 128):
+        meter.reset()
+        step(batch)
+        peaks[batch] = meter.peak_bytes()
+    assert peaks[128] > peaks[2] + 20 * 2**20
+    before = [p.clone() for p in model.parameters()]
+    step(4)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # scratch copy only

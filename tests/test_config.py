@@ -5,8 +5,8 @@ from adloco.config import ConfigError, build_config, load_config
 
 def test_defaults_resolve_per_method():
     diloco = build_config()
-    assert (diloco.method, diloco.workers, diloco.trainers, diloco.sync_every) == ("diloco", 4, 1, 50)
-    assert (diloco.outer.lr, diloco.outer.momentum, diloco.outer.nesterov) == (0.7, 0.9, True)
+    assert (diloco.method, diloco.workers, diloco.trainers, diloco.sync_every) == ("diloco", 4, 1, 10)
+    assert (diloco.outer.lr, diloco.outer.momentum, diloco.outer.nesterov) == (1.0, 0.5, True)
     ddp = build_config({"method": "ddp"})
     assert ddp.outer.lr == 1.0 and ddp.outer.momentum == 0.0
     local = build_config(overrides=["method=localsgd"])

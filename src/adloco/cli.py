@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -54,6 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, CheckpointError) as error:
         print(f"adloco: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except RuntimeError as error:
+        from adloco.comm.distributed import launched_by_torchrun
+
+        if not launched_by_torchrun():
+            raise
+        # A dead or hung peer surfaces as a failed or timed-out collective; say so instead of a traceback.
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        rank = os.environ.get("RANK", "?")
+        print(
+            f"adloco: error: rank {rank} lost contact with the other ranks ({first_line[:200]}); "
+            "the job stops here; resume with --resume RUN_DIR from the last checkpoint",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         print("adloco: interrupted; resume with --resume RUN_DIR from the last checkpoint", file=sys.stderr)
         return 130
@@ -77,6 +92,8 @@ def _train(args: argparse.Namespace, load_config) -> int:
         config = load_config(config_file, overrides)
     console = Console(stderr=True)
     result = train(config, resume=run_dir, console=console)
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # under torchrun rank 0 speaks for the job
     print(f"run directory: {result.run_dir}")
     print(
         f"final validation loss {result.val_loss:.4f} (perplexity {result.perplexity:.3f}) "

@@ -56,6 +56,17 @@ class RoundReport:
     batch: dict[int, dict] = field(default_factory=dict)
 
 
+def rank_placement(total_workers: int, world_size: int, slots_per_rank: int | None) -> dict[int, int]:
+    """Which rank hosts each worker slot: contiguous blocks of ``slots_per_rank`` worker ids per rank."""
+    slots = slots_per_rank or total_workers // world_size
+    if slots * world_size != total_workers:
+        raise ConfigError(
+            f"slots_per_rank: {total_workers} workers do not fill {world_size} ranks"
+            + (f" with {slots_per_rank} slots each" if slots_per_rank else " evenly")
+        )
+    return {w: w // slots for w in range(total_workers)}
+
+
 def placement(trainers: int, workers_per_trainer: int) -> dict[int, list[int]]:
     """Worker ids of each trainer at the start: trainer k owns workers k·M … k·M + M − 1."""
     return {k: list(range(k * workers_per_trainer, (k + 1) * workers_per_trainer)) for k in range(trainers)}
@@ -87,7 +98,7 @@ class Cluster:
         model_config: PretrainedConfig,
         corpus: Corpus,
         comm: Communicator,
-        hosted: Callable[[int], bool] = lambda worker_id: True,
+        device: torch.device | None = None,
     ) -> None:
         assert config.trainers is not None and config.sync_every is not None
         self.config = config
@@ -95,14 +106,19 @@ class Cluster:
         self.context = int(model_config.max_position_embeddings)
         batch = config.batch
         self.collect_statistics = config.method == "adloco" or batch.test != "constant"
+        self.device = device or torch.device("cpu")
         b_max = None
         self.trainers: dict[int, Trainer] = {}
         self.workers: dict[int, Worker] = {}
-        for trainer_id, worker_ids in placement(config.trainers, config.workers).items():
+        layout = placement(config.trainers, config.workers)
+        self.worker_rank = rank_placement(config.total_workers, comm.world_size, config.slots_per_rank)
+        comm.set_placement(self.worker_rank)
+        for trainer_id, worker_ids in layout.items():
             init_seed = config.seed if config.merge.shared_init else config.seed + trainer_id
             template = build_model(model_config, init_seed)
             if b_max is None:
-                b_max = self.b_max = resolve_b_max(config, template, self.context, int(model_config.vocab_size))
+                b_max = resolve_b_max(config, template.to(self.device), self.context, int(model_config.vocab_size))
+                template = template.cpu()
             controller = BatchSizeController(
                 test=batch.test,
                 eta=batch.eta,
@@ -123,15 +139,19 @@ class Cluster:
                 nesterov=bool(config.outer.nesterov),
                 controller=controller,
             )
+            comm.register_group(worker_ids)
             for worker_id in worker_ids:
-                if not hosted(worker_id):
+                if self.worker_rank[worker_id] != comm.rank:
                     continue
                 stream = TokenStream(corpus.train, self.context, seed=config.seed * _STREAM_SEED_STRIDE + worker_id)
                 self.workers[worker_id] = Worker(
-                    worker_id, copy.deepcopy(template), config.inner, stream, b_max, batch.switch_factor
+                    worker_id, copy.deepcopy(template).to(self.device), config.inner, stream, b_max, batch.switch_factor
                 )
             self.trainers[trainer_id].broadcast(self.workers)
         self.param_names = [name for name, _ in template.named_parameters()]
+        # b_max is per worker device: every rank learns every worker's, so all plan the same token budget.
+        shared = comm.gather_worker_scalars({w: [float(worker.b_max)] for w, worker in self.workers.items()})
+        self.worker_b_max = {w: int(v[0]) for w, v in shared.items()}
 
     def trainer_of(self, worker_id: int) -> Trainer:
         for trainer in self.trainers.values():
@@ -139,15 +159,16 @@ class Cluster:
                 return trainer
         raise KeyError(worker_id)
 
+    def worker_plan(self, worker_id: int, b_req: int) -> MicroBatchPlan:
+        return plan_micro_batches(b_req, self.worker_b_max[worker_id], self.config.batch.switch_factor)
+
     def plans(self) -> dict[int, MicroBatchPlan]:
-        """Each trainer's switch-mode plan for its current b_req."""
-        factor = self.config.batch.switch_factor
-        return {k: plan_micro_batches(t.batch_size, self.b_max, factor) for k, t in self.trainers.items()}
+        """Each trainer's switch-mode plan for its current b_req (on its first worker's device)."""
+        return {k: self.worker_plan(t.worker_ids[0], t.batch_size) for k, t in self.trainers.items()}
 
     def tokens_per_step(self) -> int:
         """Tokens one inner step reads over all workers, following each worker's switch-mode plan."""
-        plans = self.plans()
-        samples = sum(len(t.worker_ids) * plans[k].samples for k, t in self.trainers.items())
+        samples = sum(self.worker_plan(w, t.batch_size).samples for t in self.trainers.values() for w in t.worker_ids)
         return samples * self.context
 
     def statistics_due(self, round_index: int) -> bool:
@@ -170,8 +191,7 @@ class Cluster:
         loss_sums = {k: 0.0 for k in self.trainers}
         for step in range(steps):
             lr = lr_at(step)
-            step_losses: dict[int, float] = {}
-            step_tokens = 0
+            local: dict[int, list[float]] = {}
             for worker_id in sorted(self.workers):
                 trainer = owner[worker_id]
                 result = self.workers[worker_id].compute_gradients(
@@ -182,25 +202,29 @@ class Cluster:
                 )
                 if result.statistics is not None:
                     trainer.record_statistics(worker_id, result.statistics)
-                step_losses[worker_id] = result.loss
-                step_tokens += result.tokens
+                local[worker_id] = [result.loss, float(result.tokens)]
             if config.method == "ddp":
                 for trainer in self.trainers.values():
                     trainer.average_gradients(self.comm, self.workers)
             for worker_id in sorted(self.workers):
                 self.workers[worker_id].step(lr)
-            losses = self._mean_losses(step_losses)
+            # Every rank learns every worker's loss and token count: all ranks then agree on the budget.
+            every = self.comm.gather_worker_scalars(local)
+            losses = {k: sum(every[w][0] for w in t.worker_ids) / len(t.worker_ids) for k, t in self.trainers.items()}
+            step_tokens = int(sum(v[1] for v in every.values()))
             for k, value in losses.items():
                 loss_sums[k] += value
             report.tokens += step_tokens
             if on_step is not None:
                 on_step(StepReport(step=step, lr=lr, loss=losses, tokens=step_tokens))
         for trainer in self.trainers.values():
+            report.loss[trainer.trainer_id] = loss_sums[trainer.trainer_id] / steps
+            if not any(w in self.workers for w in trainer.worker_ids):
+                continue  # another rank's trainer: its state arrives in synchronize()
             if config.method == "ddp":
                 trainer.adopt_worker_params(self.workers)
             else:
                 trainer.outer_step(self.comm, self.workers)
-            report.loss[trainer.trainer_id] = loss_sums[trainer.trainer_id] / steps
             if stats_due:
                 statistics = (
                     trainer.cross_worker_statistics(self.comm, self.workers)
@@ -208,16 +232,39 @@ class Cluster:
                     else trainer.combine_statistics(self.comm)
                 )
                 if statistics is not None:
-                    decision = trainer.decide_batch(statistics)
-                    report.batch[trainer.trainer_id] = decision.to_dict()
+                    trainer.decide_batch(statistics)
+        self.synchronize()
+        if stats_due:
+            report.batch = {
+                k: t.last_decision.to_dict() for k, t in self.trainers.items() if t.last_decision is not None
+            }
         return report
 
-    def _mean_losses(self, step_losses: dict[int, float]) -> dict[int, float]:
-        """Each trainer's mean inner loss over all its workers (only scalars travel)."""
-        return {
-            k: self.comm.mean_scalars({w: [v] for w, v in step_losses.items() if w in t.worker_ids}, t.worker_ids)[0]
-            for k, t in self.trainers.items()
-        }
+    def lead_rank(self, trainer: Trainer) -> int:
+        return self.worker_rank[trainer.worker_ids[0]]
+
+    def synchronize(self) -> None:
+        """Give every rank every trainer's state, from the trainer's lead rank.
+
+        Only needed when some rank hosts none of a trainer's workers (several trainers on several ranks):
+        merges, evaluation and checkpoints then see the same trainers everywhere.
+        """
+        if self.comm.world_size == 1 or all(
+            set(self.comm.ranks_of(t.worker_ids)) == set(range(self.comm.world_size)) for t in self.trainers.values()
+        ):
+            return
+        for trainer in self.trainers.values():
+            src = self.lead_rank(trainer)
+            meta = self.comm.broadcast_object(trainer.sync_metadata() if self.comm.rank == src else None, src=src)
+            if self.comm.rank != src:
+                trainer.load_sync_metadata(meta)
+            self.comm.broadcast_tensors(trainer.theta, src)
+            buffers = trainer.outer.momentum_buffers()
+            if meta["has_momentum"]:
+                if any(b is None for b in buffers):
+                    trainer.outer.set_momentum_buffers([torch.zeros_like(t) for t in trainer.theta])
+                    buffers = trainer.outer.momentum_buffers()
+                self.comm.broadcast_tensors(buffers, src)
 
     def maybe_merge(self, round_index: int) -> MergeEvent | None:
         """Every ``merge.every`` rounds, merge the trainers with the smallest b_req into the first of them."""
@@ -241,6 +288,7 @@ class Cluster:
             survivor.worker_ids = sorted(survivor.worker_ids + other.worker_ids)
             del self.trainers[other.trainer_id]
         survivor.broadcast(self.workers)
+        self.comm.register_group(survivor.worker_ids)
         event = MergeEvent(
             round=round_index,
             merged=group,
@@ -252,11 +300,13 @@ class Cluster:
         log.info("merge: trainers %s into %d with weights %s", group, survivor.trainer_id, weights)
         return event
 
-    def state_dict(self) -> dict:
-        return {
-            "trainers": {k: t.state_dict() for k, t in self.trainers.items()},
-            "workers": {w: worker.state_dict() for w, worker in self.workers.items()},
-        }
+    def state_dict(self) -> dict | None:
+        """The whole cluster's state on rank 0 (None on other ranks); every rank must call it."""
+        gathered = self.comm.gather_objects({w: worker.state_dict() for w, worker in self.workers.items()})
+        if gathered is None:
+            return None
+        workers = {w: state for part in gathered for w, state in part.items()}
+        return {"trainers": {k: t.state_dict() for k, t in self.trainers.items()}, "workers": workers}
 
     def load_state_dict(self, state: dict) -> None:
         saved_trainers = state["trainers"]
@@ -265,6 +315,7 @@ class Cluster:
                 del self.trainers[k]
         for k, trainer_state in saved_trainers.items():
             self.trainers[k].load_state_dict(trainer_state)
+            self.comm.register_group(self.trainers[k].worker_ids)
         for w, worker in self.workers.items():
             worker.load_state_dict(state["workers"][w])
         for trainer in self.trainers.values():

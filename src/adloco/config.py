@@ -43,8 +43,8 @@ class InnerConfig(_Section):
 
 
 class OuterConfig(_Section):
-    lr: float | None = Field(None, gt=0, description="Outer SGD learning rate (diloco/adloco: 0.7).")
-    momentum: float | None = Field(None, ge=0, lt=1, description="Outer momentum (diloco/adloco: 0.9).")
+    lr: float | None = Field(None, gt=0, description="Outer SGD learning rate (diloco/adloco: 1.0).")
+    momentum: float | None = Field(None, ge=0, lt=1, description="Outer momentum (diloco/adloco: 0.5).")
     nesterov: bool | None = Field(None, description="Nesterov outer momentum (diloco/adloco: true).")
 
 
@@ -89,14 +89,27 @@ class MergeConfig(_Section):
 
 
 class EvalConfig(_Section):
-    every: int = Field(5, ge=1, description="Evaluate θ every this many rounds.")
-    blocks: int = Field(128, ge=1, description="Validation blocks for the periodic evaluation.")
+    every: int = Field(20, ge=1, description="Evaluate θ every this many rounds.")
+    blocks: int = Field(64, ge=1, description="Validation blocks for the periodic evaluation.")
     final_full: bool = Field(True, description="Evaluate the final θ on the whole validation split.")
 
 
 class CheckpointConfig(_Section):
-    every: int = Field(10, ge=1, description="Write a checkpoint every this many rounds (and at the end).")
+    every: int = Field(20, ge=1, description="Write a checkpoint every this many rounds (and at the end).")
     keep: int = Field(2, ge=1, description="How many checkpoints to keep.")
+
+
+class CommConfig(_Section):
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend under torchrun: NCCL with CUDA, else gloo."
+    )
+    timeout_s: float = Field(
+        300.0, gt=0, description="A collective waiting longer than this (a dead or hung rank) ends the job."
+    )
+    reduce: Literal["gather", "allreduce"] = Field(
+        "gather",
+        description="gather: exact, placement-independent sums; allreduce: less traffic, backend summation order.",
+    )
 
 
 class RunConfig(_Section):
@@ -111,7 +124,7 @@ Method = Literal["ddp", "localsgd", "diloco", "adloco"]
 # What each method means when the user leaves a key unset.
 _METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     "ddp": {
-        "sync_every": 50,
+        "sync_every": 10,
         "workers": 4,
         "trainers": 1,
         "outer": (1.0, 0.0, False),
@@ -119,7 +132,7 @@ _METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
         "merge": "off",
     },
     "localsgd": {
-        "sync_every": 50,
+        "sync_every": 10,
         "workers": 4,
         "trainers": 1,
         "outer": (1.0, 0.0, False),
@@ -127,18 +140,18 @@ _METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
         "merge": "off",
     },
     "diloco": {
-        "sync_every": 50,
+        "sync_every": 10,
         "workers": 4,
         "trainers": 1,
-        "outer": (0.7, 0.9, True),
+        "outer": (1.0, 0.5, True),
         "test": "constant",
         "merge": "off",
     },
     "adloco": {
-        "sync_every": 50,
+        "sync_every": 10,
         "workers": 1,
         "trainers": 4,
-        "outer": (0.7, 0.9, True),
+        "outer": (1.0, 0.5, True),
         "test": "norm",
         "merge": "b_req",
     },
@@ -163,6 +176,12 @@ class TrainConfig(BaseModel):
     total_tokens: int = Field(1_536_000, ge=1, description="Training tokens over all workers and trainers.")
     seed: int = Field(0, ge=0, description="Seed for init and data order; same seed ⇒ same numbers.")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where workers train: cuda when available (one GPU per rank), else cpu."
+    )
+    slots_per_rank: int | None = Field(
+        None, ge=1, description="Worker slots per rank under torchrun; default: all workers spread evenly."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     inner: InnerConfig = Field(default_factory=InnerConfig)
@@ -171,6 +190,7 @@ class TrainConfig(BaseModel):
     merge: MergeConfig = Field(default_factory=MergeConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")

@@ -106,6 +106,22 @@ class Trainer:
         self.last_decision = decision
         return decision
 
+    def sync_metadata(self) -> dict:
+        """What other ranks need besides θ and momentum to mirror this trainer."""
+        return {
+            "batch_size": self.batch_size,
+            "worker_ids": list(self.worker_ids),
+            "controller": self.controller.state_dict(),
+            "last_decision": self.last_decision,
+            "has_momentum": any(b is not None for b in self.outer.momentum_buffers()),
+        }
+
+    def load_sync_metadata(self, meta: dict) -> None:
+        self.batch_size = meta["batch_size"]
+        self.worker_ids = list(meta["worker_ids"])
+        self.controller.load_state_dict(meta["controller"])
+        self.last_decision = meta["last_decision"]
+
     def state_dict(self) -> dict:
         return {
             "trainer_id": self.trainer_id,

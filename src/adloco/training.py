@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -15,13 +16,14 @@ import torch
 from rich.console import Console
 
 from adloco.algorithms.schedules import inner_lr
-from adloco.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
+from adloco.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, save_checkpoint
 from adloco.cluster import Cluster, StepReport
-from adloco.comm import LocalCommunicator
+from adloco.comm import Communicator, LocalCommunicator
+from adloco.comm.distributed import DistributedCommunicator, launched_by_torchrun
 from adloco.config import ConfigError, TrainConfig, load_config
 from adloco.data import Corpus, dataset_label, get_tokenizer, validation_blocks
 from adloco.metrics import MetricsWriter, make_progress
-from adloco.model import build_model, next_token_loss, parameter_count, preset_config
+from adloco.model import build_model, next_token_loss, preset_config
 
 log = logging.getLogger("adloco")
 
@@ -99,39 +101,80 @@ def _export_final(model: torch.nn.Module, theta: list[torch.Tensor], run_dir: Pa
     return final
 
 
-def train(config: TrainConfig, resume: Path | None = None, console: Console | None = None) -> TrainResult:
-    """Run training to the token budget (or continue a run from its last checkpoint)."""
+def make_communicator(config: TrainConfig) -> Communicator:
+    """torch.distributed when launched by torchrun, else a world of one rank in this process."""
+    if launched_by_torchrun():
+        return DistributedCommunicator(config.comm.backend, config.comm.timeout_s, config.comm.reduce)
+    return LocalCommunicator()
+
+
+def resolve_device(config: TrainConfig) -> torch.device:
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device: cuda was asked for but no CUDA device is available")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _prepare_run_dir(config: TrainConfig, resume: Path | None) -> Path:
+    if resume is not None:
+        if not (resume / "checkpoints").is_dir() or not list_checkpoints(resume / "checkpoints"):
+            raise CheckpointError(f"run directory '{resume}' has no checkpoint to resume from")
+        return resume
+    run_dir = make_run_dir(config)
+    (run_dir / CONFIG_FILE).write_text(config.to_yaml())
+    return run_dir
+
+
+def train(
+    config: TrainConfig,
+    resume: Path | None = None,
+    console: Console | None = None,
+    comm: Communicator | None = None,
+) -> TrainResult:
+    """Run training to the token budget (or continue a run from its last checkpoint).
+
+    Under torchrun every rank calls this; rank 0 alone writes the run directory.
+    """
     console = console or Console(stderr=True)
     if config.threads:
         torch.set_num_threads(config.threads)
+    comm = comm or make_communicator(config)
+    device = resolve_device(config)
     tokenizer = get_tokenizer(config.data.tokenizer)
     model_config = preset_config(config.model.preset, tokenizer.vocab_size, config.model.context)
     context = int(model_config.max_position_embeddings)
     corpus = Corpus.load(config.data.dataset, tokenizer, config.data.val_fraction, context)
 
-    checkpoint = None
-    if resume is not None:
-        checkpoint = latest_checkpoint(resume / "checkpoints")
-        if checkpoint is None:
-            raise CheckpointError(f"run directory '{resume}' has no checkpoint to resume from")
-        run_dir = resume
-    else:
-        run_dir = make_run_dir(config)
-        (run_dir / CONFIG_FILE).write_text(config.to_yaml())
-    handler = _attach_log_file(run_dir)
+    # Rank 0 decides the run directory; an error there is every rank's error.
+    outcome: tuple[str, str] = ("ok", "")
+    if comm.rank == 0:
+        try:
+            outcome = ("ok", str(_prepare_run_dir(config, resume)))
+        except (ConfigError, CheckpointError) as error:
+            outcome = (type(error).__name__, str(error))
+    outcome = comm.broadcast_object(outcome, src=0)
+    if outcome[0] != "ok":
+        raise (CheckpointError if outcome[0] == "CheckpointError" else ConfigError)(outcome[1])
+    run_dir = Path(outcome[1])
+    checkpoint = latest_checkpoint(run_dir / "checkpoints") if resume is not None else None
+    handler = _attach_log_file(run_dir) if comm.rank == 0 else None
     try:
-        return _train_in(config, run_dir, corpus, model_config, tokenizer.describe(), checkpoint, console)
+        return _train_in(config, run_dir, corpus, model_config, tokenizer.describe(), checkpoint, console, comm, device)
     finally:
-        logging.getLogger("adloco").removeHandler(handler)
-        handler.close()
+        if handler is not None:
+            logging.getLogger("adloco").removeHandler(handler)
+            handler.close()
 
 
-def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint, console) -> TrainResult:
-    comm = LocalCommunicator()
-    cluster = Cluster(config, model_config, corpus, comm)
+def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint, console, comm, device) -> TrainResult:
+    is_root = comm.rank == 0
+    cluster = Cluster(config, model_config, corpus, comm, device)
     context = cluster.context
-    eval_model = build_model(model_config, config.seed)
-    val_subset = validation_blocks(corpus.val, context, config.eval.blocks)
+    eval_model = build_model(model_config, config.seed).to(device) if is_root else None
+    val_subset = validation_blocks(corpus.val, context, config.eval.blocks).to(device)
 
     counters = {"round": 0, "tokens": 0, "step": 0, "bytes": 0, "seconds": 0.0}
     if checkpoint is not None:
@@ -140,20 +183,25 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
         log.info("resumed from round %d (%d tokens)", counters["round"], counters["tokens"])
     else:
         log.info(
-            "start: method=%s trainers=%d workers=%d H=%d params=%d context=%d tokens=%d",
+            "start: method=%s trainers=%d workers=%d H=%d params=%d context=%d tokens=%d ranks=%d",
             config.method,
             config.trainers,
             config.workers,
             config.sync_every,
-            parameter_count(eval_model),
+            sum(t.numel() for t in next(iter(cluster.trainers.values())).theta),
             context,
             config.total_tokens,
+            comm.world_size,
         )
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_round=counters["round"] - 1 if checkpoint else None)
+    metrics = (
+        MetricsWriter(run_dir / "metrics.jsonl", resume_round=counters["round"] - 1 if checkpoint else None)
+        if is_root
+        else None
+    )
     total = config.total_tokens
     started = time.perf_counter() - counters["seconds"]
     last_val: dict[int, float] = {}  # updated in place: the step callback reads it
-    progress = make_progress(console, config.run.progress)
+    progress = make_progress(console, config.run.progress and is_root)
     with progress:
         task = progress.add_task(config.method, total=total, completed=counters["tokens"], status="")
         while counters["tokens"] < total:
@@ -168,7 +216,7 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
                         round_index,
                         k,
                         cluster.trainers[k].batch_size,
-                        cluster.b_max,
+                        cluster.worker_b_max[cluster.trainers[k].worker_ids[0]],
                         plan.mode,
                         plan.sizes,
                     )
@@ -177,18 +225,15 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
             first_step, tokens_before = counters["step"], counters["tokens"]
 
             def lr_at(step: int, first_step=first_step, tokens_before=tokens_before, per_step=per_step) -> float:
-                progress_fraction = (tokens_before + step * per_step) / total
-                return inner_lr(
-                    first_step + step,
-                    progress_fraction,
-                    config.inner.lr,
-                    config.inner.min_lr,
-                    config.inner.warmup_steps,
-                )
+                fraction = (tokens_before + step * per_step) / total
+                inner = config.inner
+                return inner_lr(first_step + step, fraction, inner.lr, inner.min_lr, inner.warmup_steps)
 
             def on_step(report: StepReport, round_index=round_index, batch_label=batch_label) -> None:
                 counters["step"] += 1
                 counters["tokens"] += report.tokens
+                if metrics is None:
+                    return
                 metrics.write(
                     "step",
                     round=round_index,
@@ -209,50 +254,60 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
             report = cluster.run_round(round_index, steps, lr_at, on_step)
             merge = cluster.maybe_merge(round_index)
             comm_stats = comm.stats.take()
-            counters["bytes"] += comm_stats.bytes_sent
+            per_rank = comm.gather_objects((comm_stats.bytes_sent, comm_stats.wire_bytes, comm_stats.seconds))
+            # Each rank counts the payloads of the workers it hosts; rank 0 adds them up for the job.
+            round_bytes = sum(p[0] for p in per_rank) if per_rank else comm_stats.bytes_sent
+            counters["bytes"] += round_bytes
             counters["round"] = round_index + 1
             finished = counters["tokens"] >= total
-            if (round_index + 1) % config.eval.every == 0 or finished:
+            evaluated = (round_index + 1) % config.eval.every == 0 or finished
+            if evaluated and is_root:
                 last_val.clear()
                 last_val.update({k: evaluate(eval_model, t.theta, val_subset) for k, t in cluster.trainers.items()})
             counters["seconds"] = time.perf_counter() - started
-            metrics.write(
-                "round",
-                round=round_index,
-                steps=steps,
-                tokens=counters["tokens"],
-                train_loss=report.loss,
-                val_loss=last_val if ((round_index + 1) % config.eval.every == 0 or finished) else None,
-                bytes=comm_stats.bytes_sent,
-                bytes_total=counters["bytes"],
-                comm_seconds=comm_stats.seconds,
-                round_seconds=time.perf_counter() - round_start,
-                seconds=counters["seconds"],
-                batch={k: t.batch_size for k, t in cluster.trainers.items()},
-                batch_test=report.batch or None,
-                plan={
-                    k: {"micro": p.micro, "accum": p.accum, "samples": p.samples, "mode": p.mode}
-                    for k, p in plans.items()
-                },
-                workers={k: len(t.worker_ids) for k, t in cluster.trainers.items()},
-                merge=merge.to_dict() if merge else None,
-            )
-            if merge is not None:
-                metrics.write("merge", **merge.to_dict())
-            metrics.flush()
-            if (round_index + 1) % config.checkpoint.every == 0 or finished:
-                save_checkpoint(
-                    run_dir / "checkpoints",
-                    round_index,
-                    {
-                        "cluster": cluster.state_dict(),
-                        "counters": dict(counters),
-                        "config": config.model_dump(),
+            if metrics is not None:
+                metrics.write(
+                    "round",
+                    round=round_index,
+                    steps=steps,
+                    tokens=counters["tokens"],
+                    train_loss=report.loss,
+                    val_loss=dict(last_val) if evaluated else None,
+                    bytes=round_bytes,
+                    bytes_total=counters["bytes"],
+                    comm_seconds=comm_stats.seconds,
+                    ranks=[
+                        {"rank": r, "payload_bytes": p, "wire_bytes": w, "comm_seconds": t}
+                        for r, (p, w, t) in enumerate(per_rank)
+                    ],
+                    round_seconds=time.perf_counter() - round_start,
+                    seconds=counters["seconds"],
+                    batch={k: t.batch_size for k, t in cluster.trainers.items()},
+                    batch_test=report.batch or None,
+                    plan={
+                        k: {"micro": p.micro, "accum": p.accum, "samples": p.samples, "mode": p.mode}
+                        for k, p in plans.items()
                     },
-                    keep=config.checkpoint.keep,
+                    workers={k: len(t.worker_ids) for k, t in cluster.trainers.items()},
+                    merge=merge.to_dict() if merge else None,
                 )
+                if merge is not None:
+                    metrics.write("merge", **merge.to_dict())
+                metrics.flush()
+            if (round_index + 1) % config.checkpoint.every == 0 or finished:
+                state = cluster.state_dict()  # collective: every rank hands its workers' state to rank 0
+                if is_root:
+                    save_checkpoint(
+                        run_dir / "checkpoints",
+                        round_index,
+                        {"cluster": state, "counters": dict(counters), "config": config.model_dump()},
+                        keep=config.checkpoint.keep,
+                    )
 
-    full = validation_blocks(corpus.val, context) if config.eval.final_full else val_subset
+    if not is_root:
+        summary = comm.broadcast_object(None, src=0)
+        return TrainResult(run_dir=run_dir, **summary)
+    full = validation_blocks(corpus.val, context).to(device) if config.eval.final_full else val_subset
     final_val = {k: evaluate(eval_model, t.theta, full) for k, t in cluster.trainers.items()}
     best = min(final_val, key=final_val.get)
     seconds = time.perf_counter() - started
@@ -281,6 +336,7 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
     metrics.close()
     if config.run.save_final:
         _export_final(eval_model, cluster.trainers[best].theta, run_dir, tokenizer_info)
+    comm.broadcast_object({k: v for k, v in result.__dict__.items() if k != "run_dir"}, src=0)
     log.info(
         "done: val loss %.4f (perplexity %.2f), %d tokens, %.1f s",
         result.val_loss,

@@ -51,6 +51,7 @@ class Worker:
         self.switch_factor = switch_factor
         self.clip = inner.clip
         self.params = [p for p in model.parameters()]
+        self.device = self.params[0].device
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -87,7 +88,7 @@ class Worker:
         samples = self.plan(b_req).samples
         if stats_groups is not None:
             samples = max(samples, 2)
-        inputs, targets = self.stream.next_batch(samples)
+        inputs, targets = (t.to(self.device) for t in self.stream.next_batch(samples))
         while True:
             try:
                 return self._accumulate(inputs, targets, stats_groups, gram, keep_gradient)
@@ -119,7 +120,7 @@ class Worker:
 
         sizes = split_evenly(batch, min(batch, stats_groups))
         group_means: list[torch.Tensor] = []
-        total = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32)
+        total = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32, device=self.device)
         weighted_sq = 0.0
         loss = 0.0
         start = 0
@@ -177,7 +178,7 @@ class Worker:
     @torch.no_grad()
     def set_gradients(self, grads: Sequence[torch.Tensor]) -> None:
         for p, g in zip(self.params, grads, strict=True):
-            p.grad = g.clone()
+            p.grad = g.to(p.device, copy=True)
 
     def step(self, lr: float) -> float | None:
         """Clip and apply one AdamW step; returns the gradient norm before clipping when clipping is on."""

@@ -9,7 +9,7 @@ import torch
 
 def worker_delta(global_params: Sequence[torch.Tensor], worker_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """One worker's contribution θ − θ_m, in float32 (or the params' dtype when wider)."""
-    return [(g - w).to(_reduce_dtype(g)) for g, w in zip(global_params, worker_params, strict=True)]
+    return [(g - w.to(g.device)).to(_reduce_dtype(g)) for g, w in zip(global_params, worker_params, strict=True)]
 
 
 def sum_in_order(contributions: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.futures import Future
@@ -12,14 +12,20 @@ from torch.futures import Future
 
 @dataclass
 class CommStats:
-    """Running totals since the last ``take()``: payload bytes the workers send, seconds in collectives."""
+    """Running totals since the last ``take()``.
+
+    ``bytes_sent``: the payloads the workers contribute (each worker's tensors once): what a network with
+    one worker per machine would carry, the same in-process and under torchrun. ``wire_bytes``: what this
+    rank actually handed to the backend. ``seconds``: time spent in collectives on this rank.
+    """
 
     bytes_sent: int = 0
+    wire_bytes: int = 0
     seconds: float = 0.0
 
     def take(self) -> CommStats:
-        taken = CommStats(self.bytes_sent, self.seconds)
-        self.bytes_sent, self.seconds = 0, 0.0
+        taken = CommStats(self.bytes_sent, self.wire_bytes, self.seconds)
+        self.bytes_sent, self.wire_bytes, self.seconds = 0, 0, 0.0
         return taken
 
 
@@ -49,6 +55,28 @@ class Communicator(Protocol):
     ) -> Future[list[list[torch.Tensor]]]:
         """Start gathering every worker's tensor list; the future holds them in worker-id order."""
         ...
+
+    def gather_worker_scalars(
+        self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int] | None = None
+    ) -> dict[int, list[float]]:
+        """Every listed worker's small vector of floats (default: all workers), on every rank."""
+        ...
+
+    def set_placement(self, worker_rank: Mapping[int, int]) -> None: ...
+
+    def register_group(self, workers: Sequence[int]) -> None:
+        """Create the group of ranks hosting ``workers``; every rank calls it in the same order."""
+        ...
+
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int) -> None: ...
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+
+    def gather_objects(self, obj: Any) -> list[Any] | None: ...
+
+    def barrier(self) -> None: ...
+
+    def close(self) -> None: ...
 
     def mean_scalars(self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int]) -> list[float]:
         """Average small vectors of scalars over ``workers`` (batch-test statistics, losses)."""

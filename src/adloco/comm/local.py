@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.futures import Future
@@ -51,6 +52,35 @@ class LocalCommunicator:
         return future
 
     def mean_scalars(self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int]) -> list[float]:
-        ordered = [contributions[w] for w in sorted(workers)]
-        self.stats.bytes_sent += sum(8 * len(c) for c in ordered)
+        values = self.gather_worker_scalars(contributions, workers)
+        ordered = [values[w] for w in sorted(workers)]
         return [sum(column) / len(ordered) for column in zip(*ordered, strict=True)]
+
+    def gather_worker_scalars(
+        self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int] | None = None
+    ) -> dict[int, list[float]]:
+        workers = sorted(contributions) if workers is None else sorted(workers)
+        self.stats.bytes_sent += sum(8 * len(contributions[w]) for w in workers)
+        return {w: list(contributions[w]) for w in workers}
+
+    # A world of one rank: placement, groups and broadcasts have nothing to do.
+    def set_placement(self, worker_rank: Mapping[int, int]) -> None:
+        pass
+
+    def register_group(self, workers: Sequence[int]) -> None:
+        pass
+
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int) -> None:
+        pass
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,211 @@
+"""Transport over torch.distributed (gloo on CPU, NCCL on GPU), one process group per trainer."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from adloco.algorithms.outer import sum_in_order
+from adloco.comm.base import CommStats, payload_bytes
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t).clone())
+        offset += t.numel()
+    return out
+
+
+class DistributedCommunicator:
+    """Collectives among the ranks that host a trainer's workers.
+
+    ``reduce="gather"`` (default) all-gathers every worker's contribution and sums them in worker-id order:
+    the result does not depend on how workers are placed on ranks, so N ranks × 1 slot and 1 rank × N slots
+    give the same bits. ``reduce="allreduce"`` sums a rank's own slots first and all-reduces the partial
+    sums: less traffic (2|θ| instead of M|θ| received), but the floating-point order follows the backend.
+    """
+
+    def __init__(self, backend: str = "auto", timeout_s: float = 300.0, reduce: str = "gather") -> None:
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if not dist.is_initialized():
+            # gloo otherwise listens on the interface the hostname resolves to; keep a loopback job on loopback.
+            if os.environ.get("MASTER_ADDR", "127.0.0.1") in _LOOPBACK:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        self.backend = backend
+        self.reduce = reduce
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.stats = CommStats()
+        self.placement: dict[int, int] = {}
+        self._groups: dict[frozenset[int], Any] = {}
+
+    # -- placement and groups -------------------------------------------------------------------------
+    def set_placement(self, worker_rank: Mapping[int, int]) -> None:
+        self.placement = dict(worker_rank)
+        if set(self.placement.values()) != set(range(self.world_size)):
+            raise ValueError("every rank must host at least one worker slot")
+        self._groups[frozenset(self.placement)] = dist.group.WORLD
+
+    def ranks_of(self, workers: Sequence[int]) -> list[int]:
+        return sorted({self.placement[w] for w in workers})
+
+    def register_group(self, workers: Sequence[int]) -> None:
+        """Create the process group of ``workers``' ranks. Every rank calls this, in the same order."""
+        key = frozenset(workers)
+        ranks = self.ranks_of(workers)
+        if key in self._groups:
+            return
+        if len(ranks) == self.world_size:
+            self._groups[key] = dist.group.WORLD
+        else:
+            group = dist.new_group(ranks)  # collective over the world, members or not
+            self._groups[key] = group
+
+    def _group(self, workers: Sequence[int]):
+        return self._groups[frozenset(workers)]
+
+    # -- tensor collectives -----------------------------------------------------------------------------
+    def _timed(self, start: float, sent: int, payload: int) -> None:
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.wire_bytes += sent
+        self.stats.bytes_sent += payload
+
+    def gather_over_workers(
+        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
+    ) -> Future[list[list[torch.Tensor]]]:
+        start = time.perf_counter()
+        ordered = sorted(workers)
+        like = next(iter(contributions.values()))
+        ranks = self.ranks_of(ordered)
+        hosted_by = {r: [w for w in ordered if self.placement[w] == r] for r in ranks}
+        rows = max(len(v) for v in hosted_by.values())
+        numel = sum(t.numel() for t in like)
+        local = torch.zeros(rows, numel, dtype=like[0].dtype, device=self.device)
+        for row, worker in enumerate(hosted_by[self.rank]):
+            local[row] = _flatten(contributions[worker]).to(self.device)
+        outputs = [torch.empty_like(local) for _ in ranks]
+        payload = sum(payload_bytes(contributions[w]) for w in hosted_by[self.rank])
+        if len(ranks) == 1:
+            outputs[0].copy_(local)
+            future: Future = Future()
+            future.set_result(outputs)
+            sent = 0
+        else:
+            work = dist.all_gather(outputs, local, group=self._group(ordered), async_op=True)
+            future = work.get_future()
+            sent = local.numel() * local.element_size()
+
+        def unpack(_: Any) -> list[list[torch.Tensor]]:
+            by_worker = {}
+            for rank, gathered in zip(ranks, outputs, strict=True):
+                for row, worker in enumerate(hosted_by[rank]):
+                    by_worker[worker] = _unflatten(gathered[row].cpu(), like)
+            self._timed(start, sent, payload)
+            return [by_worker[w] for w in ordered]
+
+        return future.then(unpack)
+
+    def mean_over_workers(
+        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
+    ) -> Future[list[torch.Tensor]]:
+        if self.reduce == "allreduce":
+            return self._allreduce_mean(contributions, workers)
+        gathered = self.gather_over_workers(contributions, workers)
+
+        def reduce(future: Future) -> list[torch.Tensor]:
+            total = sum_in_order(future.wait())
+            return [t.div_(len(workers)) for t in total]
+
+        return gathered.then(reduce)
+
+    def _allreduce_mean(
+        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
+    ) -> Future[list[torch.Tensor]]:
+        start = time.perf_counter()
+        ordered = sorted(workers)
+        mine = [contributions[w] for w in ordered if self.placement[w] == self.rank]
+        like = mine[0]
+        flat = _flatten(sum_in_order(mine)).to(self.device)
+        payload = sum(payload_bytes(c) for c in mine)
+        if len(self.ranks_of(ordered)) == 1:
+            future: Future = Future()
+            future.set_result(None)
+            sent = 0
+        else:
+            future = dist.all_reduce(flat, group=self._group(ordered), async_op=True).get_future()
+            sent = 2 * flat.numel() * flat.element_size()
+
+        def finish(_: Any) -> list[torch.Tensor]:
+            self._timed(start, sent, payload)
+            return [t.div_(len(ordered)) for t in _unflatten(flat.cpu(), like)]
+
+        return future.then(finish)
+
+    def mean_scalars(self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int]) -> list[float]:
+        values = self.gather_worker_scalars(contributions, workers)
+        ordered = [values[w] for w in sorted(workers)]
+        return [sum(column) / len(ordered) for column in zip(*ordered, strict=True)]
+
+    def gather_worker_scalars(
+        self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int] | None = None
+    ) -> dict[int, list[float]]:
+        """Every listed worker's small vector of floats, on every rank of their group (float64, exact)."""
+        workers = sorted(self.placement) if workers is None else sorted(workers)
+        width = len(next(iter(contributions.values())))
+        tensors = {w: [torch.tensor(list(v), dtype=torch.float64)] for w, v in contributions.items() if w in workers}
+        gathered = self.gather_over_workers(tensors, workers).wait()
+        return {w: [float(x) for x in g[0][:width]] for w, g in zip(workers, gathered, strict=True)}
+
+    # -- whole-world helpers -------------------------------------------------------------------------------
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int) -> None:
+        """Overwrite ``tensors`` on every rank with ``src``'s values."""
+        if self.world_size == 1 or not tensors:
+            return
+        start = time.perf_counter()
+        flat = _flatten(tensors).to(self.device)
+        dist.broadcast(flat, src=src)
+        with torch.no_grad():
+            for t, value in zip(tensors, _unflatten(flat.cpu(), tensors), strict=True):
+                t.copy_(value)
+        self.stats.seconds += time.perf_counter() - start
+        if self.rank == src:
+            self.stats.wire_bytes += flat.numel() * flat.element_size()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

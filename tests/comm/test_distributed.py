@@ -1,0 +1,179 @@
+"""Real torch.distributed processes (gloo on loopback) against the in-process engine."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adloco.checkpoint import list_checkpoints
+from adloco.config import build_config
+from adloco.metrics import read_metrics
+from adloco.training import train
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+
+BASE = [
+    "model.context=16",
+    "batch.size=2",
+    "inner.warmup_steps=2",
+    "eval.every=2",
+    "eval.blocks=8",
+    "eval.final_full=false",
+    "run.progress=false",
+    "threads=1",  # the same kernels in every process, so bits can be compared
+]
+DILOCO = [*BASE, "method=diloco", "workers=4", "sync_every=4", "total_tokens=1024"]
+ADLOCO = [*BASE, "method=adloco", "batch.b_cap=8", "sync_every=3", "merge.every=1", "total_tokens=4608"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def _torchrun(ranks: int, args: list[str], cwd, timeout=240) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={ranks}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        "-m",
+        "adloco",
+        "train",
+        *args,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _params(run_dir):
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_diloco_two_ranks_of_two_slots_equal_one_rank_of_four(tmp_path):
+    local = train(build_config(overrides=[*DILOCO, f"run.root={tmp_path}", "run.name=local"]))
+    result = _torchrun(2, [*DILOCO, f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
+    assert result.stdout.count("final validation loss") == 1  # rank 0 speaks for the job
+    assert _same(_params(local.run_dir), _params(tmp_path / "dist"))
+    rounds = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "round"]
+    assert [r["rank"] for r in rounds[0]["ranks"]] == [0, 1]
+    assert all(r["wire_bytes"] > 0 and r["comm_seconds"] >= 0 for r in rounds[0]["ranks"])
+    local_rounds = [r for r in read_metrics(local.run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    assert [r["bytes"] for r in rounds] == [r["bytes"] for r in local_rounds]
+
+
+def test_adloco_merges_hand_ranks_over_and_match_in_process(tmp_path):
+    local = train(build_config(overrides=[*ADLOCO, f"run.root={tmp_path}", "run.name=local"]))
+    _torchrun(
+        4, [*ADLOCO, f"run.root={tmp_path}", "run.name=dist", "checkpoint.every=1", "checkpoint.keep=50"], tmp_path
+    )
+    dist_dir = tmp_path / "dist"
+    merges = [r for r in read_metrics(dist_dir / "metrics.jsonl") if r["kind"] == "merge"]
+    assert len(merges) == 3 and merges[-1]["workers"] == [0, 1, 2, 3]  # ranks 1-3 now work for trainer 0
+    assert _same(_params(local.run_dir), _params(dist_dir))
+
+    # Resume the 4-rank job on 2 ranks from the checkpoint after round 1 (same worker count).
+    partial = tmp_path / "partial"
+    shutil.copytree(dist_dir, partial)
+    shutil.rmtree(partial / "final")
+    for path in list_checkpoints(partial / "checkpoints")[2:]:
+        path.unlink()
+    env_args = ["--resume", str(partial)]
+    _torchrun(2, env_args, cwd=tmp_path)
+    assert _same(_params(local.run_dir), _params(partial))
+
+
+def test_a_hung_rank_ends_the_job_within_the_timeout(tmp_path):
+    """Rank 1 is frozen mid-run (SIGSTOP); rank 0 must give up after comm.timeout_s with a clear message."""
+    port = _free_port()
+    args = [*DILOCO, "workers=2", "total_tokens=100000", f"run.root={tmp_path}", "run.name=hang", "comm.timeout_s=6"]
+    procs = []
+    for rank in range(2):
+        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": "2"})
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "adloco", "train", *args],
+                env=env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        metrics = tmp_path / "hang" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (metrics.exists() and '"round"' in metrics.read_text()):
+            time.sleep(0.2)
+        assert metrics.exists(), "the job never completed a round"
+        procs[1].send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        _, stderr = procs[0].communicate(timeout=90)
+        waited = time.monotonic() - frozen_at
+        assert procs[0].returncode == 1
+        assert "rank 0 lost contact with the other ranks" in stderr
+        assert "Traceback" not in stderr
+        assert waited < 6 + 30  # the timeout plus a bounded margin for the step in flight
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+            proc.communicate(timeout=30)
+
+
+def test_a_killed_rank_ends_the_job(tmp_path):
+    port = _free_port()
+    args = [*DILOCO, "workers=2", "total_tokens=100000", f"run.root={tmp_path}", "run.name=kill", "comm.timeout_s=20"]
+    procs = []
+    for rank in range(2):
+        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": "2"})
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "adloco", "train", *args],
+                env=env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        metrics = tmp_path / "kill" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (metrics.exists() and '"round"' in metrics.read_text()):
+            time.sleep(0.2)
+        procs[1].kill()
+        killed_at = time.monotonic()
+        _, stderr = procs[0].communicate(timeout=90)
+        assert procs[0].returncode == 1
+        assert "lost contact with the other ranks" in stderr and "Traceback" not in stderr
+        assert time.monotonic() - killed_at < 20 + 30
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=30)

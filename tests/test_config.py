@@ -70,3 +70,11 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(config.to_yaml())
     assert load_config(path) == config
+
+
+def test_yaml_words_like_off_stay_strings(tmp_path):
+    assert build_config(overrides=["merge.policy=off"]).merge.policy == "off"
+    path = tmp_path / "c.yaml"
+    path.write_text("method: adloco\nmerge:\n  policy: off\nbatch:\n  allow_shrink: true\n")
+    config = load_config(path)
+    assert config.merge.policy == "off" and config.batch.allow_shrink is True

@@ -114,3 +114,32 @@ def test_adloco_grows_batches_and_merges_down_to_one_trainer(fast_overrides):
     decisions = [d for r in rounds if r["batch_test"] for d in r["batch_test"].values()]
     assert decisions and all("sample_variance" in d and "b_req" in d for d in decisions)
     assert all(r["plan"] for r in rounds)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ["batch.test=inner_product"],
+        ["batch.estimator=cross_worker"],
+        ["merge.policy=pairwise_reference"],
+        ["batch.test=constant", "merge.policy=off", "batch.switch_factor=1"],
+    ],
+)
+def test_adloco_variants_run_and_log_their_statistics(variant, fast_overrides):
+    overrides = [*fast_overrides, "method=adloco", "trainers=2", "workers=2", "batch.b_cap=6", *variant]
+    result = train(build_config(overrides=[*overrides, "merge.every=1", "total_tokens=2048"]))
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    rounds = [r for r in records if r["kind"] == "round"]
+    decisions = [d for r in rounds if r["batch_test"] for d in r["batch_test"].values()]
+    assert decisions  # statistics are logged even when the batch is held constant
+    if "batch.test=inner_product" in variant:
+        assert all(d["ip_request"] is not None for d in decisions)
+    if "batch.test=constant" in variant:
+        assert all(b == 2 for r in rounds for b in r["batch"].values())
+        assert not any(r["kind"] == "merge" for r in records)
+    else:
+        assert any(r["kind"] == "merge" for r in records)
+    if "batch.estimator=cross_worker" in variant:
+        # the paper's estimator gathers each worker's full gradient: far more than scalars travel
+        params = sum(t.numel() for t in _final_params(result.run_dir).values())
+        assert rounds[0]["bytes"] > 2 * 2 * 4 * params * 2 - 1

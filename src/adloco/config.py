@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -234,17 +235,34 @@ class TrainConfig(BaseModel):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2 booleans: only true/false, so `merge.policy: off` stays the string 'off'."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _parse_value(text: str) -> Any:
     """Parse an override value as YAML so numbers, booleans and null work as on the command line."""
     try:
-        return yaml.safe_load(text)
+        return _load_yaml(text)
     except yaml.YAMLError:
         return text
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``key.sub=value`` overrides to a nested dict (a new dict is returned)."""
-    result: dict[str, Any] = yaml.safe_load(yaml.safe_dump(data)) or {}
+    result: dict[str, Any] = _load_yaml(yaml.safe_dump(data)) or {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
@@ -300,7 +318,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except (OSError, UnicodeDecodeError) as error:
             raise ConfigError(f"config file '{path}' cannot be read: {error}") from None
         try:
-            loaded = yaml.safe_load(text)
+            loaded = _load_yaml(text)
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""

@@ -8,9 +8,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.futures import Future
 from transformers import PretrainedConfig
 
 from adloco.algorithms.batch_tests import BatchSizeController
+from adloco.algorithms.codecs import ErrorFeedback, get_codec
+from adloco.algorithms.fragments import assign_fragments, fragments_sending_at
 from adloco.algorithms.merge import merge_weights, merged_batch_size, select_merge_group, weighted_average
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.comm.base import Communicator
@@ -113,12 +116,24 @@ class Cluster:
         layout = placement(config.trainers, config.workers)
         self.worker_rank = rank_placement(config.total_workers, comm.world_size, config.slots_per_rank)
         comm.set_placement(self.worker_rank)
+        codec = None if config.codec.name == "none" else get_codec(config.codec.name, config.codec.block_size)
+        self.streaming = config.method == "streaming"
+        fragments = None
         for trainer_id, worker_ids in layout.items():
             init_seed = config.seed if config.merge.shared_init else config.seed + trainer_id
             template = build_model(model_config, init_seed)
             if b_max is None:
                 b_max = resolve_b_max(config, template.to(self.device), self.context, int(model_config.vocab_size))
                 template = template.cpu()
+            if self.streaming and fragments is None:
+                names = [name for name, _ in template.named_parameters()]
+                stream_config = config.streaming
+                try:
+                    fragments = assign_fragments(
+                        names, stream_config.fragments, stream_config.assignment, stream_config.shared
+                    )
+                except ValueError as error:
+                    raise ConfigError(str(error)) from None
             controller = BatchSizeController(
                 test=batch.test,
                 eta=batch.eta,
@@ -138,6 +153,8 @@ class Cluster:
                 outer_momentum=config.outer.momentum,
                 nesterov=bool(config.outer.nesterov),
                 controller=controller,
+                fragments=fragments,
+                codec=codec,
             )
             comm.register_group(worker_ids)
             for worker_id in worker_ids:
@@ -147,8 +164,13 @@ class Cluster:
                 self.workers[worker_id] = Worker(
                     worker_id, copy.deepcopy(template).to(self.device), config.inner, stream, b_max, batch.switch_factor
                 )
+                if codec is not None and config.codec.error_feedback:
+                    self.workers[worker_id].error_feedback = ErrorFeedback()
             self.trainers[trainer_id].broadcast(self.workers)
         self.param_names = [name for name, _ in template.named_parameters()]
+        # Streaming exchanges in flight: (trainer, fragment) -> (step at which to apply, future of Δ).
+        self.pending: dict[tuple[int, int], tuple[int, Future]] = {}
+        self.peak_sync_bytes = 0
         # b_max is per worker device: every rank learns every worker's, so all plan the same token budget.
         shared = comm.gather_worker_scalars({w: [float(worker.b_max)] for w, worker in self.workers.items()})
         self.worker_b_max = {w: int(v[0]) for w, v in shared.items()}
@@ -180,6 +202,7 @@ class Cluster:
         steps: int,
         lr_at: Callable[[int], float],
         on_step: Callable[[StepReport], None] | None = None,
+        first_step: int = 0,
     ) -> RoundReport:
         """H inner steps on every hosted worker, then each trainer's outer step and batch test."""
         config = self.config
@@ -208,6 +231,8 @@ class Cluster:
                     trainer.average_gradients(self.comm, self.workers)
             for worker_id in sorted(self.workers):
                 self.workers[worker_id].step(lr)
+            if self.streaming:
+                self._stream(first_step + step + 1)
             # Every rank learns every worker's loss and token count: all ranks then agree on the budget.
             every = self.comm.gather_worker_scalars(local)
             losses = {k: sum(every[w][0] for w in t.worker_ids) / len(t.worker_ids) for k, t in self.trainers.items()}
@@ -223,7 +248,8 @@ class Cluster:
                 continue  # another rank's trainer: its state arrives in synchronize()
             if config.method == "ddp":
                 trainer.adopt_worker_params(self.workers)
-            else:
+            elif not self.streaming:
+                self._count_sync(trainer, 0)
                 trainer.outer_step(self.comm, self.workers)
             if stats_due:
                 statistics = (
@@ -239,6 +265,32 @@ class Cluster:
                 k: t.last_decision.to_dict() for k, t in self.trainers.items() if t.last_decision is not None
             }
         return report
+
+    def _count_sync(self, trainer: Trainer, fragment: int) -> None:
+        """Track the largest single exchange: every worker's payload for one fragment."""
+        numel = sum(trainer.theta[i].numel() for i in trainer.fragments[fragment])
+        per_worker = 4 * numel if trainer.codec is None else trainer.codec.encoded_nbytes(numel)
+        self.peak_sync_bytes = max(self.peak_sync_bytes, per_worker * len(trainer.worker_ids))
+
+    def _stream(self, step: int) -> None:
+        """Streaming DiLoCo at global inner step ``step``: start due exchanges, apply those τ steps old."""
+        stream = self.config.streaming
+        assert stream.fragments is not None and stream.overlap is not None and stream.alpha is not None
+        for trainer in self.trainers.values():
+            for p in fragments_sending_at(step, self.config.sync_every, stream.fragments):
+                self._count_sync(trainer, p)
+                future = trainer.send_fragment(p, self.comm, self.workers)
+                self.pending[(trainer.trainer_id, p)] = (step + stream.overlap, future)
+        for key in sorted(k for k, (due, _) in self.pending.items() if due <= step):
+            _, future = self.pending.pop(key)
+            self.trainers[key[0]].apply_fragment(key[1], future.wait(), self.workers, stream.alpha)
+
+    def flush(self) -> None:
+        """Apply every exchange still in flight (end of training)."""
+        stream = self.config.streaming
+        for key in sorted(self.pending):
+            _, future = self.pending.pop(key)
+            self.trainers[key[0]].apply_fragment(key[1], future.wait(), self.workers, stream.alpha or 0.0)
 
     def lead_rank(self, trainer: Trainer) -> int:
         return self.worker_rank[trainer.worker_ids[0]]
@@ -259,11 +311,11 @@ class Cluster:
             if self.comm.rank != src:
                 trainer.load_sync_metadata(meta)
             self.comm.broadcast_tensors(trainer.theta, src)
-            buffers = trainer.outer.momentum_buffers()
+            buffers = trainer.momentum_buffers()
             if meta["has_momentum"]:
                 if any(b is None for b in buffers):
-                    trainer.outer.set_momentum_buffers([torch.zeros_like(t) for t in trainer.theta])
-                    buffers = trainer.outer.momentum_buffers()
+                    trainer.set_momentum_buffers([torch.zeros_like(t) for t in trainer.theta])
+                    buffers = trainer.momentum_buffers()
                 self.comm.broadcast_tensors(buffers, src)
 
     def maybe_merge(self, round_index: int) -> MergeEvent | None:
@@ -276,13 +328,13 @@ class Cluster:
         members = [self.trainers[k] for k in group]
         weights = merge_weights(merge.policy, [t.batch_size for t in members], [len(t.worker_ids) for t in members])
         theta = weighted_average([t.theta for t in members], weights)
-        momentum = weighted_average([t.outer.momentum_buffers() for t in members], weights)
+        momentum = weighted_average([t.momentum_buffers() for t in members], weights)
         survivor = members[0]
         with torch.no_grad():
             for target, value in zip(survivor.theta, theta, strict=True):
                 target.copy_(value)
-        if survivor.outer.optimizer.defaults["momentum"] > 0:
-            survivor.outer.set_momentum_buffers(momentum)
+        if survivor.momentum > 0:
+            survivor.set_momentum_buffers(momentum)
         survivor.batch_size = merged_batch_size([t.batch_size for t in members])
         for other in members[1:]:
             survivor.worker_ids = sorted(survivor.worker_ids + other.worker_ids)
@@ -302,11 +354,18 @@ class Cluster:
 
     def state_dict(self) -> dict | None:
         """The whole cluster's state on rank 0 (None on other ranks); every rank must call it."""
-        gathered = self.comm.gather_objects({w: worker.state_dict() for w, worker in self.workers.items()})
+        gathered = self.comm.gather_objects(
+            {w: worker.state_dict(with_params=self.streaming) for w, worker in self.workers.items()}
+        )
         if gathered is None:
             return None
         workers = {w: state for part in gathered for w, state in part.items()}
-        return {"trainers": {k: t.state_dict() for k, t in self.trainers.items()}, "workers": workers}
+        pending = {f"{k}/{p}": {"due": due, "delta": future.wait()} for (k, p), (due, future) in self.pending.items()}
+        return {
+            "trainers": {k: t.state_dict() for k, t in self.trainers.items()},
+            "workers": workers,
+            "pending": pending,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         saved_trainers = state["trainers"]
@@ -316,7 +375,13 @@ class Cluster:
         for k, trainer_state in saved_trainers.items():
             self.trainers[k].load_state_dict(trainer_state)
             self.comm.register_group(self.trainers[k].worker_ids)
-        for w, worker in self.workers.items():
-            worker.load_state_dict(state["workers"][w])
         for trainer in self.trainers.values():
             trainer.broadcast(self.workers)
+        for w, worker in self.workers.items():
+            worker.load_state_dict(state["workers"][w])  # streaming: its own parameters replace θ
+        self.pending = {}
+        for key, item in state.get("pending", {}).items():
+            trainer_id, fragment = (int(x) for x in key.split("/"))
+            future: Future = Future()
+            future.set_result(list(item["delta"]))
+            self.pending[(trainer_id, fragment)] = (int(item["due"]), future)

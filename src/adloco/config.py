@@ -10,6 +10,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from adloco.algorithms.fragments import validate_schedule
+
 
 class ConfigError(ValueError):
     """A configuration problem, reported as one line naming the key."""
@@ -100,6 +102,32 @@ class CheckpointConfig(_Section):
     keep: int = Field(2, ge=1, description="How many checkpoints to keep.")
 
 
+class StreamingConfig(_Section):
+    fragments: int | None = Field(
+        None, ge=1, description="P: parameter fragments synced in turn (streaming: 2; other methods: 1)."
+    )
+    assignment: Literal["strided", "sequential"] = Field(
+        "strided", description="Blocks to fragments: strided (block l → l mod P) or contiguous runs."
+    )
+    shared: Literal["first", "own"] = Field(
+        "first", description="Embeddings, final norm and head: join fragment 0, or form fragment 0 alone."
+    )
+    overlap: int | None = Field(
+        None, ge=0, description="τ: inner steps between sending a fragment and applying its outer step (streaming: 1)."
+    )
+    alpha: float | None = Field(
+        None, ge=0, le=1, description="α: fragment ← α·local + (1 − α)·outer after its sync (streaming: 0.5)."
+    )
+
+
+class CodecConfig(_Section):
+    name: Literal["none", "fp32", "bf16", "fp16", "int8", "fp8-e4m3", "fp4-e2m1", "fp4-e3m0"] = Field(
+        "none", description="Encoding of exchanged pseudo-gradients; none sends float32 through an all-reduce path."
+    )
+    block_size: int = Field(32, ge=1, description="Elements sharing one power-of-two scale (int8, fp8, fp4).")
+    error_feedback: bool = Field(False, description="Add each worker's quantization residual to its next exchange.")
+
+
 class CommConfig(_Section):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend under torchrun: NCCL with CUDA, else gloo."
@@ -120,7 +148,7 @@ class RunConfig(_Section):
     save_final: bool = Field(True, description="Export the final model in Hugging Face format.")
 
 
-Method = Literal["ddp", "localsgd", "diloco", "adloco"]
+Method = Literal["ddp", "localsgd", "diloco", "adloco", "streaming"]
 
 # What each method means when the user leaves a key unset.
 _METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -141,6 +169,14 @@ _METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
         "merge": "off",
     },
     "diloco": {
+        "sync_every": 10,
+        "workers": 4,
+        "trainers": 1,
+        "outer": (1.0, 0.5, True),
+        "test": "constant",
+        "merge": "off",
+    },
+    "streaming": {
         "sync_every": 10,
         "workers": 4,
         "trainers": 1,
@@ -192,6 +228,8 @@ class TrainConfig(BaseModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     comm: CommConfig = Field(default_factory=CommConfig)
+    streaming: StreamingConfig = Field(default_factory=StreamingConfig)
+    codec: CodecConfig = Field(default_factory=CodecConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
@@ -220,6 +258,19 @@ class TrainConfig(BaseModel):
             self.merge.policy = defaults["merge"] if self.trainers > 1 else "off"
         if self.method == "ddp" and self.batch.test != "constant":
             raise ValueError("batch.test: ddp runs with a constant batch")
+        streaming = self.streaming
+        if self.method == "streaming":
+            streaming.fragments = 2 if streaming.fragments is None else streaming.fragments
+            streaming.overlap = 1 if streaming.overlap is None else streaming.overlap
+            streaming.alpha = 0.5 if streaming.alpha is None else streaming.alpha
+            validate_schedule(self.sync_every, streaming.fragments, streaming.overlap)
+        else:
+            for key, value in (("fragments", streaming.fragments), ("overlap", streaming.overlap)):
+                if value not in (None, 1 if key == "fragments" else 0):
+                    raise ValueError(f"streaming.{key}: only method=streaming syncs fragments")
+            streaming.fragments, streaming.overlap, streaming.alpha = 1, 0, 0.0
+        if self.method == "ddp" and self.codec.name != "none":
+            raise ValueError("codec.name: ddp exchanges gradients every step; codecs apply to pseudo-gradients")
         if self.batch.b_min > self.batch.b_cap:
             raise ValueError(f"batch.b_min ({self.batch.b_min}) is larger than batch.b_cap ({self.batch.b_cap})")
         if self.inner.min_lr > self.inner.lr:

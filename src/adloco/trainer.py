@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.futures import Future
 
 from adloco.algorithms.batch_tests import (
     BatchDecision,
@@ -13,9 +14,20 @@ from adloco.algorithms.batch_tests import (
     GradientStatistics,
     statistics_from_gram,
 )
-from adloco.algorithms.outer import OuterOptimizer, worker_delta
+from adloco.algorithms.codecs import Codec, Encoded
+from adloco.algorithms.fragments import mix
+from adloco.algorithms.outer import OuterOptimizer, sum_in_order, worker_delta
 from adloco.comm.base import Communicator
 from adloco.worker import Worker
+
+
+def _split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
 
 _STAT_FIELDS = ("grad_norm_sq", "sample_variance", "ip_variance", "orth_variance")
 
@@ -38,12 +50,22 @@ class Trainer:
         outer_momentum: float,
         nesterov: bool,
         controller: BatchSizeController,
+        fragments: Sequence[Sequence[int]] | None = None,
+        codec: Codec | None = None,
     ) -> None:
         self.trainer_id = trainer_id
         self.theta = [t.detach().clone().float() for t in theta]
         self.worker_ids = sorted(worker_ids)
         self.batch_size = batch_size
-        self.outer = OuterOptimizer(self.theta, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+        # One outer optimizer per fragment (a single one covering θ unless streaming): a fragment that does
+        # not sync gets no gradient, so its momentum cannot leak.
+        self.fragments = [list(range(len(self.theta)))] if fragments is None else [list(f) for f in fragments]
+        self.outers = [
+            OuterOptimizer([self.theta[i] for i in fragment], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+            for fragment in self.fragments
+        ]
+        self.momentum = outer_momentum
+        self.codec = codec
         self.controller = controller
         self.last_decision: BatchDecision | None = None
         self.pending_statistics: dict[int, GradientStatistics] = {}
@@ -64,11 +86,81 @@ class Trainer:
     @torch.no_grad()
     def outer_step(self, comm: Communicator, workers: Mapping[int, Worker]) -> OuterStepReport:
         """Δ = mean_m (θ − θ_m) over the trainer's workers, then θ ← OuterOpt(θ, Δ) and broadcast."""
-        local = {w: worker_delta(self.theta, workers[w].params) for w in self.worker_ids if w in workers}
-        delta = comm.mean_over_workers(local, self.worker_ids).wait()
-        self.outer.step(delta)
-        self.broadcast(workers)
+        delta = self.send_fragment(0, comm, workers).wait()
+        self.apply_fragment(0, delta, workers, alpha=0.0)
         return OuterStepReport(delta_norm=float(torch.sqrt(sum(d.double().square().sum() for d in delta))))
+
+    @torch.no_grad()
+    def send_fragment(self, index: int, comm: Communicator, workers: Mapping[int, Worker]) -> Future:
+        """Start exchanging fragment ``index``'s pseudo-gradient; the future holds the workers' mean Δ."""
+        fragment = self.fragments[index]
+        theta = [self.theta[i] for i in fragment]
+        local = {
+            w: worker_delta(theta, [workers[w].params[i] for i in fragment]) for w in self.worker_ids if w in workers
+        }
+        if self.codec is None:
+            return comm.mean_over_workers(local, self.worker_ids)
+        return self._exchange_encoded(index, local, comm, workers)
+
+    def _exchange_encoded(
+        self, index: int, local: dict[int, list[torch.Tensor]], comm: Communicator, workers: Mapping[int, Worker]
+    ) -> Future:
+        """Each worker encodes its own Δ; codes and scales are gathered, decoded and averaged in float32."""
+        codec = self.codec
+        assert codec is not None
+        like = next(iter(local.values()))
+        key = f"{self.trainer_id}/{index}"
+        payloads = {}
+        for worker_id, delta in local.items():
+            flat = torch.cat([d.reshape(-1) for d in delta])
+            feedback = workers[worker_id].error_feedback
+            if feedback is not None:
+                flat = feedback.compensate(key, flat)
+            encoded = codec.encode(flat)
+            if feedback is not None:
+                feedback.record(key, flat, codec.decode(encoded))
+            scales = encoded.scales if encoded.scales is not None else torch.zeros(0, dtype=torch.float32)
+            payloads[worker_id] = [encoded.codes, scales]
+        numel = sum(t.numel() for t in like)
+
+        def decode(future: Future) -> list[torch.Tensor]:
+            decoded = []
+            for codes, scales in future.wait():
+                encoded = Encoded(codes=codes, scales=scales if scales.numel() else None, numel=numel)
+                flat = codec.decode(encoded).reshape(-1)
+                decoded.append(_split_like(flat, like))
+            total = sum_in_order(decoded)
+            return [t.div_(len(decoded)) for t in total]
+
+        return comm.gather_over_workers(payloads, self.worker_ids).then(decode)
+
+    @torch.no_grad()
+    def apply_fragment(
+        self, index: int, delta: Sequence[torch.Tensor], workers: Mapping[int, Worker], alpha: float
+    ) -> None:
+        """θ_p ← OuterOpt_p(θ_p, Δ_p); hosted workers' fragment ← α·local + (1 − α)·θ_p."""
+        fragment = self.fragments[index]
+        self.outers[index].step(delta)
+        for worker_id in self.worker_ids:
+            if worker_id not in workers:
+                continue
+            params = workers[worker_id].params
+            for i in fragment:
+                params[i].copy_(
+                    self.theta[i] if alpha == 0 else mix(params[i], self.theta[i].to(params[i].device), alpha)
+                )
+
+    def momentum_buffers(self) -> list[torch.Tensor | None]:
+        """Outer momentum per θ tensor, in parameter order, whatever the fragments."""
+        buffers: list[torch.Tensor | None] = [None] * len(self.theta)
+        for fragment, outer in zip(self.fragments, self.outers, strict=True):
+            for i, buffer in zip(fragment, outer.momentum_buffers(), strict=True):
+                buffers[i] = buffer
+        return buffers
+
+    def set_momentum_buffers(self, buffers: Sequence[torch.Tensor | None]) -> None:
+        for fragment, outer in zip(self.fragments, self.outers, strict=True):
+            outer.set_momentum_buffers([buffers[i] for i in fragment])
 
     def adopt_worker_params(self, workers: Mapping[int, Worker]) -> None:
         """DDP keeps every worker identical, so θ is any worker's parameters; no exchange is needed."""
@@ -113,7 +205,7 @@ class Trainer:
             "worker_ids": list(self.worker_ids),
             "controller": self.controller.state_dict(),
             "last_decision": self.last_decision,
-            "has_momentum": any(b is not None for b in self.outer.momentum_buffers()),
+            "has_momentum": any(b is not None for b in self.momentum_buffers()),
         }
 
     def load_sync_metadata(self, meta: dict) -> None:
@@ -128,7 +220,7 @@ class Trainer:
             "theta": [t.clone() for t in self.theta],
             "worker_ids": list(self.worker_ids),
             "batch_size": self.batch_size,
-            "outer": self.outer.state_dict(),
+            "outer": [outer.state_dict() for outer in self.outers],
             "controller": self.controller.state_dict(),
         }
 
@@ -138,5 +230,6 @@ class Trainer:
                 t.copy_(saved)
         self.worker_ids = list(state["worker_ids"])
         self.batch_size = int(state["batch_size"])
-        self.outer.load_state_dict(state["outer"])
+        for outer, saved in zip(self.outers, state["outer"], strict=True):
+            outer.load_state_dict(saved)
         self.controller.load_state_dict(state["controller"])

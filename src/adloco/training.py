@@ -251,7 +251,7 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
                     f"loss {mean_loss:.3f}{val}",
                 )
 
-            report = cluster.run_round(round_index, steps, lr_at, on_step)
+            report = cluster.run_round(round_index, steps, lr_at, on_step, first_step=first_step)
             merge = cluster.maybe_merge(round_index)
             comm_stats = comm.stats.take()
             per_rank = comm.gather_objects((comm_stats.bytes_sent, comm_stats.wire_bytes, comm_stats.seconds))
@@ -260,6 +260,8 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
             counters["bytes"] += round_bytes
             counters["round"] = round_index + 1
             finished = counters["tokens"] >= total
+            if finished:
+                cluster.flush()  # streaming: exchanges still in flight count towards the final θ
             evaluated = (round_index + 1) % config.eval.every == 0 or finished
             if evaluated and is_root:
                 last_val.clear()
@@ -290,6 +292,7 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
                     },
                     workers={k: len(t.worker_ids) for k, t in cluster.trainers.items()},
                     merge=merge.to_dict() if merge else None,
+                    peak_sync_bytes=cluster.peak_sync_bytes,
                 )
                 if merge is not None:
                     metrics.write("merge", **merge.to_dict())

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from adloco.algorithms.batch_tests import GradientStatistics, statistics_from_gram, statistics_from_norms
+from adloco.algorithms.codecs import ErrorFeedback
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
@@ -65,6 +66,7 @@ class Worker:
             foreach=False,
         )
         self.last_gradient: torch.Tensor | None = None
+        self.error_feedback: ErrorFeedback | None = None
 
     @torch.no_grad()
     def load_params(self, theta: Sequence[torch.Tensor]) -> None:
@@ -191,14 +193,21 @@ class Worker:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def state_dict(self) -> dict:
+    def state_dict(self, with_params: bool = False) -> dict:
+        """Inner state; the parameters only where they can differ from θ at a round boundary (streaming)."""
         return {
+            "params": [p.detach().cpu().clone() for p in self.params] if with_params else None,
             "optimizer": self.optimizer.state_dict(),
             "stream": self.stream.state_dict(),
             "b_max": self.b_max,
+            "error_feedback": None if self.error_feedback is None else self.error_feedback.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.stream.load_state_dict(state["stream"])
         self.b_max = int(state["b_max"])
+        if state.get("params") is not None:
+            self.load_params(state["params"])
+        if self.error_feedback is not None and state.get("error_feedback") is not None:
+            self.error_feedback.load_state_dict(state["error_feedback"])

@@ -1,0 +1,94 @@
+"""Streaming DiLoCo: parameter fragments, their sync schedule, and local/global mixing."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+_BLOCK = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d+)\.")
+
+
+def layer_index(param_name: str) -> int | None:
+    """The transformer block a parameter belongs to (``model.layers.3.…`` → 3), or None."""
+    match = _BLOCK.search(param_name)
+    return int(match.group(1)) if match else None
+
+
+def assign_fragments(
+    param_names: Sequence[str],
+    num_fragments: int,
+    mode: Literal["strided", "sequential"] = "strided",
+    shared: Literal["first", "own"] = "first",
+) -> list[list[int]]:
+    """Parameter indices of each fragment.
+
+    Blocks are dealt to fragments strided (block l → fragment l mod P) or in contiguous runs. Parameters
+    outside every block (embeddings, final norm, head) join fragment 0 (``first``) or make up a fragment of
+    their own (``own``): then they are fragment 0 and the blocks share the other P − 1 fragments.
+    """
+    blocks = sorted({i for i in (layer_index(n) for n in param_names) if i is not None})
+    has_outside = any(layer_index(n) is None for n in param_names)
+    block_fragments = num_fragments - 1 if shared == "own" and has_outside else num_fragments
+    if num_fragments < 1:
+        raise ValueError(f"streaming.fragments must be >= 1, got {num_fragments}")
+    if block_fragments < 1 or block_fragments > max(len(blocks), 1):
+        raise ValueError(
+            f"streaming.fragments={num_fragments} does not fit a model with {len(blocks)} blocks"
+            + (" (one fragment is taken by embeddings/head)" if block_fragments != num_fragments else "")
+        )
+    position = {block: k for k, block in enumerate(blocks)}
+
+    def fragment_of_block(block: int) -> int:
+        k = position[block]
+        return k % block_fragments if mode == "strided" else k * block_fragments // len(blocks)
+
+    offset = num_fragments - block_fragments
+    fragments: list[list[int]] = [[] for _ in range(num_fragments)]
+    for i, name in enumerate(param_names):
+        block = layer_index(name)
+        fragments[0 if block is None else offset + fragment_of_block(block)].append(i)
+    if any(not f for f in fragments):
+        raise ValueError(f"streaming.fragments={num_fragments} leaves a fragment without parameters")
+    return fragments
+
+
+def validate_schedule(sync_every: int, fragments: int, overlap: int) -> None:
+    """Streaming needs H divisible by P and an overlap τ shorter than the gap H/P between fragments."""
+    if sync_every % fragments != 0:
+        raise ValueError(f"sync_every ({sync_every}) must be a multiple of streaming.fragments ({fragments})")
+    if not 0 <= overlap < sync_every // fragments:
+        raise ValueError(
+            f"streaming.overlap ({overlap}) must be >= 0 and < sync_every/fragments ({sync_every // fragments})"
+        )
+
+
+def fragment_offsets(sync_every: int, fragments: int) -> list[int]:
+    """t_p = p·H/P."""
+    return [p * sync_every // fragments for p in range(fragments)]
+
+
+def fragments_sending_at(step: int, sync_every: int, fragments: int) -> list[int]:
+    """Fragments that send at inner step ``step`` (1-based, counted from the start of training).
+
+    Fragment p sends at t_p, t_p + H, t_p + 2H, … (never at step 0), so fragment 0 syncs on the round
+    boundaries H, 2H, … and with P = 1 the single fragment syncs exactly where DiLoCo does.
+    """
+    offsets = fragment_offsets(sync_every, fragments)
+    return [p for p, t in enumerate(offsets) if step > 0 and step >= t and (step - t) % sync_every == 0]
+
+
+def fragments_receiving_at(step: int, sync_every: int, fragments: int, overlap: int) -> list[int]:
+    """Fragments whose exchange, started ``overlap`` steps earlier, is applied at ``step``."""
+    return fragments_sending_at(step - overlap, sync_every, fragments) if step - overlap > 0 else []
+
+
+def mix(local: torch.Tensor, outer: torch.Tensor, alpha: float) -> torch.Tensor:
+    """α·local + (1 − α)·outer; α = 0 returns ``outer`` itself and α = 1 ``local`` (exact)."""
+    if alpha == 0:
+        return outer
+    if alpha == 1:
+        return local
+    return torch.lerp(outer, local, alpha)

@@ -177,3 +177,10 @@ def test_a_killed_rank_ends_the_job(tmp_path):
             if proc.poll() is None:
                 proc.kill()
             proc.communicate(timeout=30)
+
+
+def test_streaming_with_a_codec_matches_in_process(tmp_path):
+    streaming = [*DILOCO, "method=streaming", "streaming.fragments=2", "streaming.overlap=1", "codec.name=int8"]
+    local = train(build_config(overrides=[*streaming, f"run.root={tmp_path}", "run.name=local"]))
+    _torchrun(2, [*streaming, f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
+    assert _same(_params(local.run_dir), _params(tmp_path / "dist"))

@@ -151,47 +151,13 @@ class RunConfig(_Section):
 Method = Literal["ddp", "localsgd", "diloco", "adloco", "streaming"]
 
 # What each method means when the user leaves a key unset.
+_BASELINE = {"sync_every": 10, "workers": 4, "trainers": 1, "test": "constant", "merge": "off"}
 _METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
-    "ddp": {
-        "sync_every": 10,
-        "workers": 4,
-        "trainers": 1,
-        "outer": (1.0, 0.0, False),
-        "test": "constant",
-        "merge": "off",
-    },
-    "localsgd": {
-        "sync_every": 10,
-        "workers": 4,
-        "trainers": 1,
-        "outer": (1.0, 0.0, False),
-        "test": "constant",
-        "merge": "off",
-    },
-    "diloco": {
-        "sync_every": 10,
-        "workers": 4,
-        "trainers": 1,
-        "outer": (1.0, 0.5, True),
-        "test": "constant",
-        "merge": "off",
-    },
-    "streaming": {
-        "sync_every": 10,
-        "workers": 4,
-        "trainers": 1,
-        "outer": (1.0, 0.5, True),
-        "test": "constant",
-        "merge": "off",
-    },
-    "adloco": {
-        "sync_every": 10,
-        "workers": 1,
-        "trainers": 4,
-        "outer": (1.0, 0.5, True),
-        "test": "norm",
-        "merge": "b_req",
-    },
+    "ddp": {**_BASELINE, "outer": (1.0, 0.0, False)},
+    "localsgd": {**_BASELINE, "outer": (1.0, 0.0, False)},
+    "diloco": {**_BASELINE, "outer": (1.0, 0.5, True)},
+    "streaming": {**_BASELINE, "outer": (1.0, 0.5, True)},
+    "adloco": {**_BASELINE, "workers": 1, "trainers": 4, "outer": (1.0, 0.5, True), "test": "norm", "merge": "b_req"},
 }
 
 

@@ -104,30 +104,30 @@ def test_adloco_merges_hand_ranks_over_and_match_in_process(tmp_path):
     assert _same(_params(local.run_dir), _params(partial))
 
 
-def test_a_hung_rank_ends_the_job_within_the_timeout(tmp_path):
-    """Rank 1 is frozen mid-run (SIGSTOP); rank 0 must give up after comm.timeout_s with a clear message."""
+def _launch_two_ranks(tmp_path, name: str, timeout_s: int) -> list[subprocess.Popen]:
+    """Two ranks started by hand (as torchrun would), a long run, and a wait until the first round is logged."""
     port = _free_port()
-    args = [*DILOCO, "workers=2", "total_tokens=100000", f"run.root={tmp_path}", "run.name=hang", "comm.timeout_s=6"]
+    args = [*DILOCO, "workers=2", "total_tokens=100000", f"run.root={tmp_path}", f"run.name={name}"]
     procs = []
     for rank in range(2):
-        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
-        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": "2"})
+        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        command = [sys.executable, "-m", "adloco", "train", *args, f"comm.timeout_s={timeout_s}"]
         procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "adloco", "train", *args],
-                env=env,
-                cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+            subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
+    metrics = tmp_path / name / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and '"round"' in metrics.read_text()):
+        time.sleep(0.2)
+    return procs
+
+
+def test_a_hung_rank_ends_the_job_within_the_timeout(tmp_path):
+    """Rank 1 is frozen mid-run (SIGSTOP); rank 0 must give up after comm.timeout_s with a clear message."""
+    procs = _launch_two_ranks(tmp_path, "hang", timeout_s=6)
     try:
-        metrics = tmp_path / "hang" / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (metrics.exists() and '"round"' in metrics.read_text()):
-            time.sleep(0.2)
-        assert metrics.exists(), "the job never completed a round"
+        assert (tmp_path / "hang" / "metrics.jsonl").exists(), "the job never completed a round"
         procs[1].send_signal(signal.SIGSTOP)
         frozen_at = time.monotonic()
         _, stderr = procs[0].communicate(timeout=90)
@@ -145,27 +145,9 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(tmp_path):
 
 
 def test_a_killed_rank_ends_the_job(tmp_path):
-    port = _free_port()
-    args = [*DILOCO, "workers=2", "total_tokens=100000", f"run.root={tmp_path}", "run.name=kill", "comm.timeout_s=20"]
-    procs = []
-    for rank in range(2):
-        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
-        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": "2"})
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "adloco", "train", *args],
-                env=env,
-                cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+    procs = _launch_two_ranks(tmp_path, "kill", timeout_s=20)
     try:
-        metrics = tmp_path / "kill" / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (metrics.exists() and '"round"' in metrics.read_text()):
-            time.sleep(0.2)
+        assert (tmp_path / "kill" / "metrics.jsonl").exists(), "the job never completed a round"
         procs[1].kill()
         killed_at = time.monotonic()
         _, stderr = procs[0].communicate(timeout=90)

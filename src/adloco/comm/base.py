@@ -29,6 +29,15 @@ class CommStats:
         return taken
 
 
+class ScalarMeans:
+    """``mean_scalars`` for any transport that implements ``gather_worker_scalars``."""
+
+    def mean_scalars(self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int]) -> list[float]:
+        values = self.gather_worker_scalars(contributions, workers)  # type: ignore[attr-defined]
+        ordered = [values[w] for w in sorted(workers)]
+        return [sum(column) / len(ordered) for column in zip(*ordered, strict=True)]
+
+
 def payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from adloco.algorithms.outer import sum_in_order
-from adloco.comm.base import CommStats, payload_bytes
+from adloco.comm.base import CommStats, ScalarMeans, payload_bytes
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -34,7 +34,7 @@ def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.T
     return out
 
 
-class DistributedCommunicator:
+class DistributedCommunicator(ScalarMeans):
     """Collectives among the ranks that host a trainer's workers.
 
     ``reduce="gather"`` (default) all-gathers every worker's contribution and sums them in worker-id order:
@@ -161,11 +161,6 @@ class DistributedCommunicator:
             return [t.div_(len(ordered)) for t in _unflatten(flat.cpu(), like)]
 
         return future.then(finish)
-
-    def mean_scalars(self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int]) -> list[float]:
-        values = self.gather_worker_scalars(contributions, workers)
-        ordered = [values[w] for w in sorted(workers)]
-        return [sum(column) / len(ordered) for column in zip(*ordered, strict=True)]
 
     def gather_worker_scalars(
         self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int] | None = None

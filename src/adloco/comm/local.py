@@ -10,10 +10,10 @@ import torch
 from torch.futures import Future
 
 from adloco.algorithms.outer import sum_in_order
-from adloco.comm.base import CommStats, payload_bytes
+from adloco.comm.base import CommStats, ScalarMeans, payload_bytes
 
 
-class LocalCommunicator:
+class LocalCommunicator(ScalarMeans):
     """Every worker lives in this process; collectives are ordered sums, counted as if sent."""
 
     rank = 0
@@ -50,11 +50,6 @@ class LocalCommunicator:
         future: Future[list[torch.Tensor]] = Future()
         future.set_result(mean)
         return future
-
-    def mean_scalars(self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int]) -> list[float]:
-        values = self.gather_worker_scalars(contributions, workers)
-        ordered = [values[w] for w in sorted(workers)]
-        return [sum(column) / len(ordered) for column in zip(*ordered, strict=True)]
 
     def gather_worker_scalars(
         self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int] | None = None

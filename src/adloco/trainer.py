@@ -17,6 +17,7 @@ from adloco.algorithms.batch_tests import (
 from adloco.algorithms.codecs import Codec, Encoded
 from adloco.algorithms.fragments import mix
 from adloco.algorithms.outer import OuterOptimizer, sum_in_order, worker_delta
+from adloco.checkpoint import CheckpointError
 from adloco.comm.base import Communicator
 from adloco.worker import Worker
 
@@ -225,6 +226,9 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        shapes = [tuple(t.shape) for t in state["theta"]]
+        if shapes != [tuple(t.shape) for t in self.theta]:
+            raise CheckpointError("the checkpoint holds parameters of another model shape than this config builds")
         with torch.no_grad():
             for t, saved in zip(self.theta, state["theta"], strict=True):
                 t.copy_(saved)

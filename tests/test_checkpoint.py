@@ -1,0 +1,112 @@
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adloco.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from adloco.config import build_config
+from adloco.training import train
+from tests.conftest import FAST
+
+
+def _save_rounds(directory, rounds, keep=3):
+    for r in rounds:
+        save_checkpoint(directory, r, {"value": torch.tensor([float(r)])}, keep=keep)
+
+
+def test_keeps_the_newest_and_records_checksums(tmp_path):
+    _save_rounds(tmp_path, range(5))
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["round_000002.pt", "round_000003.pt", "round_000004.pt"]
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    assert [e["round"] for e in manifest["checkpoints"]] == [2, 3, 4]
+    assert all(len(e["sha256"]) == 64 for e in manifest["checkpoints"])
+    assert latest_checkpoint(tmp_path)["round"] == 4
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
+    _save_rounds(tmp_path, range(3))
+    newest = list_checkpoints(tmp_path)[-1]
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: torch might still load it, the checksum will not
+    newest.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        state = latest_checkpoint(tmp_path)
+    assert state["round"] == 1
+    assert "checksum mismatch" in caplog.text
+
+
+def test_every_checkpoint_damaged_is_an_error(tmp_path):
+    _save_rounds(tmp_path, range(2))
+    for path in list_checkpoints(tmp_path):
+        path.write_bytes(path.read_bytes()[:50])
+    with pytest.raises(CheckpointError, match="damaged"):
+        latest_checkpoint(tmp_path)
+
+
+def test_wrong_version_and_foreign_files(tmp_path):
+    torch.save({"format_version": 99}, tmp_path / "round_000001.pt")
+    with pytest.raises(CheckpointError, match="format version 99"):
+        load_checkpoint(tmp_path / "round_000001.pt")
+    torch.save([1, 2, 3], tmp_path / "round_000002.pt")
+    with pytest.raises(CheckpointError, match="not an adloco checkpoint"):
+        load_checkpoint(tmp_path / "round_000002.pt")
+    (tmp_path / "round_000003.pt").write_text("hello")
+    with pytest.raises(CheckpointError, match="damaged or not a checkpoint"):
+        load_checkpoint(tmp_path / "round_000003.pt")
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    config = build_config(overrides=[*FAST, f"run.root={tmp_path}", "total_tokens=128", "run.name=a"])
+    train(config)
+    other = build_config(overrides=[*FAST, f"run.root={tmp_path}", "total_tokens=128", "model.preset=small"])
+    with pytest.raises(CheckpointError, match="another model"):
+        train(other, resume=tmp_path / "a")
+
+
+def _params(run_dir):
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
+    """A real process killed with SIGKILL mid-run; --resume must end exactly where an uninterrupted run ends."""
+    overrides = [*FAST, "total_tokens=6144", "checkpoint.every=1", "checkpoint.keep=2", "threads=1"]
+    reference = train(build_config(overrides=[*overrides, f"run.root={tmp_path}", "run.name=reference"]))
+    rng = random.Random(0)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for trial in range(2):
+        name = f"killed{trial}"
+        command = [sys.executable, "-m", "adloco", "train", *overrides, f"run.root={tmp_path}", f"run.name={name}"]
+        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        checkpoints = tmp_path / name / "checkpoints"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list_checkpoints(checkpoints):
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.5))
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL, "the run ended before it could be killed"
+        resumed = subprocess.run(
+            [sys.executable, "-m", "adloco", "train", "--resume", str(tmp_path / name)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        expected, got = _params(reference.run_dir), _params(tmp_path / name)
+        assert all(torch.equal(expected[k], got[k]) for k in expected), f"trial {trial}"

@@ -35,13 +35,13 @@ def test_bytes_counted_from_reduced_tensors(fast_overrides):
     params = sum(t.numel() for t in _final_params(diloco.run_dir).values())
     diloco_rounds = [r for r in read_metrics(diloco.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     ddp_rounds = [r for r in read_metrics(ddp.run_dir / "metrics.jsonl") if r["kind"] == "round"]
-    # 2 workers each send one fp32 pseudo-gradient per round, plus two float64 scalars (loss, tokens) per step
-    # and, once at start-up, every worker's b_max (one float64 each)
-    loss_bytes = 2 * 2 * 8 * diloco_rounds[0]["steps"]
+    # 2 workers each send one fp32 pseudo-gradient per round, plus three float64 scalars (loss, tokens,
+    # health) per step and, once at start-up, every worker's b_max (one float64 each)
+    loss_bytes = 2 * 3 * 8 * diloco_rounds[0]["steps"]
     assert diloco_rounds[0]["bytes"] == 2 * 4 * params + loss_bytes + 2 * 8
     # DDP sends a full gradient from every worker at every step, and no pseudo-gradient
     assert ddp_rounds[0]["steps"] == diloco_rounds[0]["steps"]
-    assert ddp_rounds[0]["bytes"] == ddp_rounds[0]["steps"] * (2 * 4 * params + 2 * 2 * 8) + 2 * 8
+    assert ddp_rounds[0]["bytes"] == ddp_rounds[0]["steps"] * (2 * 4 * params + 2 * 3 * 8) + 2 * 8
 
 
 def test_same_seed_same_numbers_and_other_seed_differs(fast_overrides):

@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except RuntimeError as error:
         from adloco.comm.distributed import launched_by_torchrun
+        from adloco.training import NonFiniteError
+
+        if isinstance(error, NonFiniteError):
+            print(f"adloco: error: {error}", file=sys.stderr)
+            return 1
 
         if not launched_by_torchrun():
             raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,6 +58,9 @@ class RoundReport:
     tokens: int
     loss: dict[int, float] = field(default_factory=dict)
     batch: dict[int, dict] = field(default_factory=dict)
+    failed: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    ddp_failed: set[int] = field(default_factory=set)
 
 
 def rank_placement(total_workers: int, world_size: int, slots_per_rank: int | None) -> dict[int, int]:
@@ -212,10 +216,14 @@ class Cluster:
         owner = {w: t for t in self.trainers.values() for w in t.worker_ids}
         report = RoundReport(steps=steps, tokens=0)
         loss_sums = {k: 0.0 for k in self.trainers}
+        failed: set[int] = set()  # workers out of this round after a non-finite loss or gradient
         for step in range(steps):
             lr = lr_at(step)
             local: dict[int, list[float]] = {}
             for worker_id in sorted(self.workers):
+                if worker_id in failed:
+                    local[worker_id] = [math.nan, 0.0, 0.0]
+                    continue
                 trainer = owner[worker_id]
                 result = self.workers[worker_id].compute_gradients(
                     trainer.batch_size,
@@ -223,35 +231,51 @@ class Cluster:
                     gram=gram,
                     keep_gradient=cross_worker and step == steps - 1,
                 )
-                if result.statistics is not None:
+                if result.statistics is not None and result.finite:
                     trainer.record_statistics(worker_id, result.statistics)
-                local[worker_id] = [result.loss, float(result.tokens)]
-            if config.method == "ddp":
-                for trainer in self.trainers.values():
-                    trainer.average_gradients(self.comm, self.workers)
-            for worker_id in sorted(self.workers):
-                self.workers[worker_id].step(lr)
-            if self.streaming:
-                self._stream(first_step + step + 1)
-            # Every rank learns every worker's loss and token count: all ranks then agree on the budget.
+                local[worker_id] = [result.loss, float(result.tokens), 1.0 if result.finite else 0.0]
+            # Every rank learns every worker's loss, token count and health: all ranks then agree on the
+            # budget and on who is left out.
             every = self.comm.gather_worker_scalars(local)
-            losses = {k: sum(every[w][0] for w in t.worker_ids) / len(t.worker_ids) for k, t in self.trainers.items()}
+            step_failed = {w for w, values in every.items() if values[2] == 0.0}
+            if step_failed - failed:
+                log.warning("round %d step %d: non-finite values on workers %s", round_index, step, sorted(step_failed))
+            self._apply_step(lr, step_failed, failed, report)
+            if self.streaming:
+                self._stream(first_step + step + 1, failed)
+            losses = {}
+            for k, t in self.trainers.items():
+                healthy = [every[w][0] for w in t.worker_ids if w not in step_failed]
+                losses[k] = sum(healthy) / len(healthy) if healthy else math.nan
+                loss_sums[k] += losses[k]
             step_tokens = int(sum(v[1] for v in every.values()))
-            for k, value in losses.items():
-                loss_sums[k] += value
             report.tokens += step_tokens
             if on_step is not None:
                 on_step(StepReport(step=step, lr=lr, loss=losses, tokens=step_tokens))
+        report.failed = sorted(failed | report.ddp_failed)
         for trainer in self.trainers.values():
             report.loss[trainer.trainer_id] = loss_sums[trainer.trainer_id] / steps
+            mine = set(trainer.worker_ids)
+            if config.method != "ddp" and mine <= failed:
+                report.skipped.append(trainer.trainer_id)
             if not any(w in self.workers for w in trainer.worker_ids):
                 continue  # another rank's trainer: its state arrives in synchronize()
             if config.method == "ddp":
                 trainer.adopt_worker_params(self.workers)
+            elif trainer.trainer_id in report.skipped:
+                log.warning(
+                    "round %d: every worker of trainer %d failed; the round is skipped", round_index, trainer.trainer_id
+                )
+                trainer.broadcast(self.workers)
             elif not self.streaming:
                 self._count_sync(trainer, 0)
-                trainer.outer_step(self.comm, self.workers)
-            if stats_due:
+                trainer.outer_step(self.comm, self.workers, excluded=failed & mine)
+            for worker_id in failed & mine:
+                if worker_id in self.workers:
+                    self.workers[worker_id].reset_optimizer()  # restarts from θ with fresh AdamW moments
+            if stats_due and failed & mine:
+                trainer.pending_statistics = {}  # a partial measurement is not a measurement
+            elif stats_due:
                 statistics = (
                     trainer.cross_worker_statistics(self.comm, self.workers)
                     if cross_worker
@@ -266,20 +290,44 @@ class Cluster:
             }
         return report
 
+    def _apply_step(self, lr: float, step_failed: set[int], failed: set[int], report: RoundReport) -> None:
+        """Optimizer steps. DDP leaves a failed worker out of the average only; the others leave it out of the round."""
+        if self.config.method == "ddp":
+            for trainer in self.trainers.values():
+                if set(trainer.worker_ids) <= step_failed:
+                    report.skipped.append(trainer.trainer_id)
+                    report.ddp_failed |= step_failed
+                    for worker_id in trainer.worker_ids:
+                        if worker_id in self.workers:
+                            self.workers[worker_id].optimizer.zero_grad(set_to_none=True)
+                    continue
+                trainer.average_gradients(self.comm, self.workers, excluded=step_failed)
+                report.ddp_failed |= step_failed & set(trainer.worker_ids)
+                for worker_id in trainer.worker_ids:
+                    if worker_id in self.workers:
+                        self.workers[worker_id].step(lr)
+            return
+        failed |= step_failed
+        for worker_id in sorted(self.workers):
+            if worker_id in failed:
+                self.workers[worker_id].optimizer.zero_grad(set_to_none=True)
+            else:
+                self.workers[worker_id].step(lr)
+
     def _count_sync(self, trainer: Trainer, fragment: int) -> None:
         """Track the largest single exchange: every worker's payload for one fragment."""
         numel = sum(trainer.theta[i].numel() for i in trainer.fragments[fragment])
         per_worker = 4 * numel if trainer.codec is None else trainer.codec.encoded_nbytes(numel)
         self.peak_sync_bytes = max(self.peak_sync_bytes, per_worker * len(trainer.worker_ids))
 
-    def _stream(self, step: int) -> None:
+    def _stream(self, step: int, failed: set[int]) -> None:
         """Streaming DiLoCo at global inner step ``step``: start due exchanges, apply those τ steps old."""
         stream = self.config.streaming
         assert stream.fragments is not None and stream.overlap is not None and stream.alpha is not None
         for trainer in self.trainers.values():
             for p in fragments_sending_at(step, self.config.sync_every, stream.fragments):
                 self._count_sync(trainer, p)
-                future = trainer.send_fragment(p, self.comm, self.workers)
+                future = trainer.send_fragment(p, self.comm, self.workers, excluded=failed & set(trainer.worker_ids))
                 self.pending[(trainer.trainer_id, p)] = (step + stream.overlap, future)
         for key in sorted(k for k, (due, _) in self.pending.items() if due <= step):
             _, future = self.pending.pop(key)

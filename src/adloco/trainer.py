@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import torch
@@ -77,34 +77,58 @@ class Trainer:
             if worker_id in workers:
                 workers[worker_id].load_params(self.theta)
 
-    def average_gradients(self, comm: Communicator, workers: Mapping[int, Worker]) -> None:
-        """DDP: every hosted worker's gradient becomes the trainer-wide mean."""
-        local = {w: workers[w].gradients() for w in self.worker_ids if w in workers}
-        mean = comm.mean_over_workers(local, self.worker_ids).wait()
+    def healthy_count(self, excluded: Set[int]) -> int:
+        return sum(1 for w in self.worker_ids if w not in excluded)
+
+    def average_gradients(
+        self, comm: Communicator, workers: Mapping[int, Worker], excluded: Set[int] = frozenset()
+    ) -> None:
+        """DDP: every hosted worker's gradient becomes the mean over the trainer's healthy workers."""
+        local = {
+            w: [torch.zeros_like(p) for p in workers[w].params] if w in excluded else workers[w].gradients()
+            for w in self.worker_ids
+            if w in workers
+        }
+        mean = comm.mean_over_workers(local, self.worker_ids, self.healthy_count(excluded)).wait()
         for worker_id in local:
             workers[worker_id].set_gradients(mean)
 
     @torch.no_grad()
-    def outer_step(self, comm: Communicator, workers: Mapping[int, Worker]) -> OuterStepReport:
-        """Δ = mean_m (θ − θ_m) over the trainer's workers, then θ ← OuterOpt(θ, Δ) and broadcast."""
-        delta = self.send_fragment(0, comm, workers).wait()
+    def outer_step(
+        self, comm: Communicator, workers: Mapping[int, Worker], excluded: Set[int] = frozenset()
+    ) -> OuterStepReport:
+        """Δ = mean_m (θ − θ_m) over the trainer's healthy workers, then θ ← OuterOpt(θ, Δ) and broadcast."""
+        delta = self.send_fragment(0, comm, workers, excluded).wait()
         self.apply_fragment(0, delta, workers, alpha=0.0)
         return OuterStepReport(delta_norm=float(torch.sqrt(sum(d.double().square().sum() for d in delta))))
 
     @torch.no_grad()
-    def send_fragment(self, index: int, comm: Communicator, workers: Mapping[int, Worker]) -> Future:
-        """Start exchanging fragment ``index``'s pseudo-gradient; the future holds the workers' mean Δ."""
+    def send_fragment(
+        self, index: int, comm: Communicator, workers: Mapping[int, Worker], excluded: Set[int] = frozenset()
+    ) -> Future:
+        """Start exchanging fragment ``index``'s pseudo-gradient; the future holds the healthy workers' mean Δ."""
         fragment = self.fragments[index]
         theta = [self.theta[i] for i in fragment]
         local = {
-            w: worker_delta(theta, [workers[w].params[i] for i in fragment]) for w in self.worker_ids if w in workers
+            w: [torch.zeros_like(t) for t in theta]
+            if w in excluded
+            else worker_delta(theta, [workers[w].params[i] for i in fragment])
+            for w in self.worker_ids
+            if w in workers
         }
+        divisor = self.healthy_count(excluded)
         if self.codec is None:
-            return comm.mean_over_workers(local, self.worker_ids)
-        return self._exchange_encoded(index, local, comm, workers)
+            return comm.mean_over_workers(local, self.worker_ids, divisor)
+        return self._exchange_encoded(index, local, comm, workers, excluded, divisor)
 
     def _exchange_encoded(
-        self, index: int, local: dict[int, list[torch.Tensor]], comm: Communicator, workers: Mapping[int, Worker]
+        self,
+        index: int,
+        local: dict[int, list[torch.Tensor]],
+        comm: Communicator,
+        workers: Mapping[int, Worker],
+        excluded: Set[int],
+        divisor: int,
     ) -> Future:
         """Each worker encodes its own Δ; codes and scales are gathered, decoded and averaged in float32."""
         codec = self.codec
@@ -114,7 +138,7 @@ class Trainer:
         payloads = {}
         for worker_id, delta in local.items():
             flat = torch.cat([d.reshape(-1) for d in delta])
-            feedback = workers[worker_id].error_feedback
+            feedback = None if worker_id in excluded else workers[worker_id].error_feedback
             if feedback is not None:
                 flat = feedback.compensate(key, flat)
             encoded = codec.encode(flat)
@@ -131,7 +155,7 @@ class Trainer:
                 flat = codec.decode(encoded).reshape(-1)
                 decoded.append(_split_like(flat, like))
             total = sum_in_order(decoded)
-            return [t.div_(len(decoded)) for t in total]
+            return [t.div_(divisor) for t in total]
 
         return comm.gather_over_workers(payloads, self.worker_ids).then(decode)
 

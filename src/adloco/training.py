@@ -30,6 +30,10 @@ log = logging.getLogger("adloco")
 CONFIG_FILE = "config.yaml"
 
 
+class NonFiniteError(RuntimeError):
+    """Training keeps producing NaN/inf: stop, keeping the last good checkpoint."""
+
+
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -201,6 +205,7 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
     total = config.total_tokens
     started = time.perf_counter() - counters["seconds"]
     last_val: dict[int, float] = {}  # updated in place: the step callback reads it
+    failed_streak = 0
     progress = make_progress(console, config.run.progress and is_root)
     with progress:
         task = progress.add_task(config.method, total=total, completed=counters["tokens"], status="")
@@ -252,6 +257,7 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
                 )
 
             report = cluster.run_round(round_index, steps, lr_at, on_step, first_step=first_step)
+            failed_streak = failed_streak + 1 if report.skipped else 0
             merge = cluster.maybe_merge(round_index)
             comm_stats = comm.stats.take()
             per_rank = comm.gather_objects((comm_stats.bytes_sent, comm_stats.wire_bytes, comm_stats.seconds))
@@ -293,11 +299,18 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
                     workers={k: len(t.worker_ids) for k, t in cluster.trainers.items()},
                     merge=merge.to_dict() if merge else None,
                     peak_sync_bytes=cluster.peak_sync_bytes,
+                    failed_workers=report.failed,
+                    skipped_trainers=report.skipped,
                 )
                 if merge is not None:
                     metrics.write("merge", **merge.to_dict())
                 metrics.flush()
-            if (round_index + 1) % config.checkpoint.every == 0 or finished:
+            if failed_streak >= config.run.max_failed_rounds:
+                raise NonFiniteError(
+                    f"non-finite losses or gradients on every worker of a trainer for {failed_streak} rounds in a "
+                    f"row (round {round_index}); the last good checkpoint is in {run_dir / 'checkpoints'}"
+                )
+            if not report.skipped and ((round_index + 1) % config.checkpoint.every == 0 or finished):
                 state = cluster.state_dict()  # collective: every rank hands its workers' state to rank 0
                 if is_root:
                     save_checkpoint(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class StepResult:
     samples: int
     tokens: int
     statistics: GradientStatistics | None = None
+    finite: bool = True
 
 
 class Worker:
@@ -93,7 +95,11 @@ class Worker:
         inputs, targets = (t.to(self.device) for t in self.stream.next_batch(samples))
         while True:
             try:
-                return self._accumulate(inputs, targets, stats_groups, gram, keep_gradient)
+                result = self._accumulate(inputs, targets, stats_groups, gram, keep_gradient)
+                result.finite = math.isfinite(result.loss) and all(
+                    bool(torch.isfinite(p.grad).all()) for p in self.params if p.grad is not None
+                )
+                return result
             except (RuntimeError, torch.OutOfMemoryError) as error:
                 if not is_out_of_memory(error) or self.b_max == 1:
                     raise
@@ -192,6 +198,10 @@ class Worker:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def reset_optimizer(self) -> None:
+        """Forget the AdamW moments (after a non-finite step they may hold NaN)."""
+        self.optimizer.state.clear()
 
     def state_dict(self, with_params: bool = False) -> dict:
         """Inner state; the parameters only where they can differ from θ at a round boundary (streaming)."""

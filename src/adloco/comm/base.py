@@ -54,9 +54,12 @@ class Communicator(Protocol):
     stats: CommStats
 
     def mean_over_workers(
-        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
+        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int], divisor: int | None = None
     ) -> Future[list[torch.Tensor]]:
-        """Start averaging tensor lists over ``workers``; the future holds the mean."""
+        """Start averaging tensor lists over ``workers`` (sum / ``divisor``, default the worker count).
+
+        A worker left out of a mean contributes zeros: adding an exact zero changes no bit of a sum.
+        """
         ...
 
     def gather_over_workers(

@@ -127,20 +127,20 @@ class DistributedCommunicator(ScalarMeans):
         return future.then(unpack)
 
     def mean_over_workers(
-        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
+        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int], divisor: int | None = None
     ) -> Future[list[torch.Tensor]]:
         if self.reduce == "allreduce":
-            return self._allreduce_mean(contributions, workers)
+            return self._allreduce_mean(contributions, workers, divisor)
         gathered = self.gather_over_workers(contributions, workers)
 
         def reduce(future: Future) -> list[torch.Tensor]:
             total = sum_in_order(future.wait())
-            return [t.div_(len(workers)) for t in total]
+            return [t.div_(divisor or len(workers)) for t in total]
 
         return gathered.then(reduce)
 
     def _allreduce_mean(
-        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
+        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int], divisor: int | None
     ) -> Future[list[torch.Tensor]]:
         start = time.perf_counter()
         ordered = sorted(workers)
@@ -158,7 +158,7 @@ class DistributedCommunicator(ScalarMeans):
 
         def finish(_: Any) -> list[torch.Tensor]:
             self._timed(start, sent, payload)
-            return [t.div_(len(ordered)) for t in _unflatten(flat.cpu(), like)]
+            return [t.div_(divisor or len(ordered)) for t in _unflatten(flat.cpu(), like)]
 
         return future.then(finish)
 

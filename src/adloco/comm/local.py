@@ -40,12 +40,12 @@ class LocalCommunicator(ScalarMeans):
         return future
 
     def mean_over_workers(
-        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
+        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int], divisor: int | None = None
     ) -> Future[list[torch.Tensor]]:
         start = time.perf_counter()
         ordered = self._ordered(contributions, workers)
         total = sum_in_order(ordered)
-        mean = [t.div_(len(ordered)) for t in total]
+        mean = [t.div_(divisor or len(ordered)) for t in total]
         self.stats.seconds += time.perf_counter() - start
         future: Future[list[torch.Tensor]] = Future()
         future.set_result(mean)

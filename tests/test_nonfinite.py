@@ -1,0 +1,58 @@
+"""A worker whose loss or gradient is NaN/inf is left out; a run that keeps failing stops cleanly."""
+
+import collections
+from pathlib import Path
+
+import pytest
+import torch
+
+from adloco.checkpoint import latest_checkpoint
+from adloco.config import build_config
+from adloco.metrics import read_metrics
+from adloco.training import NonFiniteError, train
+from adloco.worker import Worker
+
+
+def _poison(monkeypatch, should_fail):
+    """Make chosen calls of Worker.compute_gradients produce a NaN loss and NaN gradients."""
+    original = Worker.compute_gradients
+    calls = collections.Counter()
+
+    def patched(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        calls[self.worker_id] += 1
+        if should_fail(self.worker_id, calls[self.worker_id]):
+            self.params[0].grad.fill_(float("nan"))
+            result.loss, result.finite = float("nan"), False
+        return result
+
+    monkeypatch.setattr(Worker, "compute_gradients", patched)
+
+
+def _rounds(run_dir):
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "round"]
+
+
+@pytest.mark.parametrize("method", ["diloco", "streaming", "ddp"])
+def test_a_failing_worker_is_left_out_and_training_goes_on(method, fast_overrides, monkeypatch):
+    _poison(monkeypatch, lambda worker, call: worker == 1 and call == 6)  # round 1, second step
+    result = train(build_config(overrides=[*fast_overrides, f"method={method}"]))
+    rounds = _rounds(result.run_dir)
+    assert rounds[1]["failed_workers"] == [1] and rounds[1]["skipped_trainers"] == []
+    assert all(r["failed_workers"] == [] for i, r in enumerate(rounds) if i != 1)
+    assert torch.isfinite(torch.tensor(result.val_loss))
+    state = latest_checkpoint(result.run_dir / "checkpoints")
+    assert all(torch.isfinite(t).all() for t in state["cluster"]["trainers"][0]["theta"])
+
+
+def test_a_run_that_keeps_failing_stops_and_keeps_its_last_good_checkpoint(fast_overrides, monkeypatch):
+    _poison(monkeypatch, lambda worker, call: call > 4)  # everything fails from round 1 on
+    config = build_config(overrides=[*fast_overrides, "checkpoint.every=1", "total_tokens=4096"])
+    with pytest.raises(NonFiniteError, match="3 rounds in a row"):
+        train(config)
+    run_dir = next(Path(config.run.root).iterdir())
+    rounds = _rounds(run_dir)
+    assert [r["skipped_trainers"] for r in rounds] == [[], [0], [0], [0]]
+    state = latest_checkpoint(run_dir / "checkpoints")
+    assert state["round"] == 0  # nothing was checkpointed after the failures began
+    assert all(torch.isfinite(t).all() for t in state["cluster"]["trainers"][0]["theta"])

@@ -64,3 +64,18 @@ def test_real_step_on_process_memory_grows_with_batch():
     before = [p.clone() for p in model.parameters()]
     step(4)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # scratch copy only
+
+
+def test_cpu_budget_probe_through_the_config(tmp_path):
+    from adloco.cluster import resolve_b_max
+    from adloco.config import ConfigError, build_config
+
+    model = build_model(preset_config("tiny", 256), 0)
+    assert resolve_b_max(build_config(overrides=["batch.b_max=7"]), model, 64, 256) == 7
+    assert resolve_b_max(build_config(overrides=["batch.b_cap=12"]), model, 64, 256) == 12  # no budget: b_cap
+    generous = resolve_b_max(
+        build_config(overrides=["batch.memory_budget_mb=100000", "batch.b_cap=16"]), model, 64, 256
+    )
+    assert generous == 16
+    with pytest.raises(ConfigError, match="not even one sample"):
+        resolve_b_max(build_config(overrides=["batch.memory_budget_mb=1"]), model, 64, 256)

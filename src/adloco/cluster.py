@@ -21,7 +21,7 @@ from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
 from adloco.data import Corpus, TokenStream
 from adloco.model import build_model
-from adloco.probe import ProcessMemoryMeter, probe_b_max, training_step_at
+from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
 from adloco.trainer import Trainer
 from adloco.worker import Worker
 
@@ -80,19 +80,24 @@ def placement(trainers: int, workers_per_trainer: int) -> dict[int, list[int]]:
 
 
 def resolve_b_max(config: TrainConfig, model: torch.nn.Module, context: int, vocab_size: int) -> int:
-    """b_max from the config, or probed with real steps when a memory budget is known."""
+    """b_max from the config, or probed with real steps: on CUDA under ``memory_fraction`` of the device,
+    on CPU under ``memory_budget_mb`` of process memory (without a budget a CPU worker is limited by b_cap)."""
     batch = config.batch
     if batch.b_max is not None:
         return batch.b_max
-    if batch.memory_budget_mb is None:
+    device = next(model.parameters()).device
+    meter: MemoryMeter
+    if device.type == "cuda":
+        cuda = CudaMemoryMeter(device)
+        meter, budget = cuda, int(batch.memory_fraction * cuda.capacity_bytes())
+    elif batch.memory_budget_mb is not None:
+        meter, budget = ProcessMemoryMeter(), int(batch.memory_budget_mb * 2**20)
+    else:
         return batch.b_cap
-    step = training_step_at(model, context, vocab_size)
-    found = probe_b_max(step, ProcessMemoryMeter(), int(batch.memory_budget_mb * 2**20), upper=batch.b_cap)
+    found = probe_b_max(training_step_at(model, context, vocab_size), meter, budget, upper=batch.b_cap)
     if found == 0:
-        raise ConfigError(
-            f"batch.memory_budget_mb: not even one sample fits in {batch.memory_budget_mb} MiB at context {context}"
-        )
-    log.info("b_max probe: %d samples per micro-batch fit in %.0f MiB", found, batch.memory_budget_mb)
+        raise ConfigError(f"batch: not even one sample fits in {budget / 2**20:.0f} MiB at context {context}")
+    log.info("b_max probe on %s: %d samples per micro-batch fit in %.0f MiB", device, found, budget / 2**20)
     return found
 
 

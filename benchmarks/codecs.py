@@ -64,14 +64,14 @@ def main() -> None:
         results = list(pool.map(lambda c: run(c, args.tokens, Path(tmp), args.extra), CODECS))
     base = results[0]
     lines = [
-        "| codec | val loss | vs fp32 | bytes sent | bytes vs fp32 | peak bytes per sync |",
+        "| codec | val loss | vs fp32 | bytes sent | fewer bytes than fp32 | peak bytes per sync |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         lines.append(
             f"| {'fp32 (no codec)' if r['codec'] == 'none' else r['codec']} | {r['val_loss']:.4f} "
             f"| {100 * (r['val_loss'] / base['val_loss'] - 1):+.2f} % | {r['bytes'] / 1e6:,.1f} MB "
-            f"| {base['bytes'] / r['bytes']:.2f}× less | {r['peak_sync_bytes'] / 1e6:.2f} MB |"
+            f"| {base['bytes'] / r['bytes']:.2f}× | {r['peak_sync_bytes'] / 1e6:.2f} MB |"
         )
     table = "\n".join(lines)
     command = "python benchmarks/codecs.py" + (f" --tokens {args.tokens}" if args.tokens != 1_536_000 else "")

@@ -184,12 +184,6 @@ class Cluster:
         shared = comm.gather_worker_scalars({w: [float(worker.b_max)] for w, worker in self.workers.items()})
         self.worker_b_max = {w: int(v[0]) for w, v in shared.items()}
 
-    def trainer_of(self, worker_id: int) -> Trainer:
-        for trainer in self.trainers.values():
-            if worker_id in trainer.worker_ids:
-                return trainer
-        raise KeyError(worker_id)
-
     def worker_plan(self, worker_id: int, b_req: int) -> MicroBatchPlan:
         return plan_micro_batches(b_req, self.worker_b_max[worker_id], self.config.batch.switch_factor)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -349,7 +348,3 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file '{path}' must hold a mapping of keys, not {type(loaded).__name__}")
         data = loaded
     return build_config(data, overrides)
-
-
-def steps_for_tokens(tokens: int, tokens_per_step: int) -> int:
-    return max(1, math.ceil(tokens / tokens_per_step))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -29,6 +30,15 @@ def _parser() -> argparse.ArgumentParser:
         help="an optional YAML config file followed by overrides such as method=adloco inner.lr=2e-3",
     )
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    evaluate = commands.add_parser("eval", help="validation loss and perplexity of a run's exported model")
+    evaluate.add_argument("run_dir", metavar="RUN_DIR")
+    sample = commands.add_parser("sample", help="generate text with a run's exported model")
+    sample.add_argument("run_dir", metavar="RUN_DIR")
+    sample.add_argument("--prompt", default="", help="text to continue")
+    sample.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
+    sample.add_argument("--temperature", type=float, default=0.8, help="0 picks the most likely token")
+    sample.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    sample.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -52,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, load_config)
+        if args.command in ("eval", "sample"):
+            return _use_run(args)
     except (ConfigError, DataError, CheckpointError) as error:
         print(f"adloco: error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -77,6 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("adloco: interrupted; resume with --resume RUN_DIR from the last checkpoint", file=sys.stderr)
         return 130
+    return 0
+
+
+def _use_run(args: argparse.Namespace) -> int:
+    from adloco.inference import evaluate_run, sample
+
+    run_dir = Path(args.run_dir)
+    if args.command == "eval":
+        loss, tokens = evaluate_run(run_dir)
+        print(f"validation loss {loss:.4f} (perplexity {math.exp(loss):.3f}) over {tokens:,} tokens")
+    else:
+        print(sample(run_dir, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
     return 0
 
 

@@ -22,7 +22,7 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     preset: Literal["tiny", "small", "medium", "micro-llama-300m"] = Field(
-        "tiny", description="LLaMA preset built offline with random init (see docs/models.md)."
+        "tiny", description="LLaMA preset built offline with random init (sizes in the README)."
     )
     context: int | None = Field(None, ge=2, description="Sequence length in tokens; default: the preset's context.")
 
@@ -168,7 +168,7 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Method = Field("diloco", description="ddp | localsgd | diloco | adloco.")
+    method: Method = Field("diloco", description="ddp | localsgd | diloco | streaming | adloco.")
     workers: int | None = Field(
         None, ge=1, description="Workers per trainer at the start (M); default 4, and 1 for adloco (4 trainers × 1)."
     )

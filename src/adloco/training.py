@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from transformers.utils import logging as hf_logging
 
 from adloco.algorithms.schedules import inner_lr
 from adloco.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, save_checkpoint
@@ -98,6 +99,7 @@ def _export_final(model: torch.nn.Module, theta: list[torch.Tensor], run_dir: Pa
     final = run_dir / "final"
     staging = run_dir / ".final.tmp"
     shutil.rmtree(staging, ignore_errors=True)
+    hf_logging.disable_progress_bar()
     model.save_pretrained(staging, safe_serialization=True)
     (staging / "adloco_tokenizer.json").write_text(json.dumps(tokenizer_info, indent=2) + "\n")
     shutil.rmtree(final, ignore_errors=True)

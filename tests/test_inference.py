@@ -1,0 +1,34 @@
+import pytest
+
+from adloco.checkpoint import CheckpointError
+from adloco.config import build_config
+from adloco.inference import evaluate_run, sample
+from adloco.training import train
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    from tests.conftest import FAST
+
+    root = tmp_path_factory.mktemp("runs")
+    return train(build_config(overrides=[*FAST, "total_tokens=512", "eval.final_full=true", f"run.root={root}"]))
+
+
+def test_eval_reproduces_the_final_validation_loss(finished_run):
+    loss, tokens = evaluate_run(finished_run.run_dir)
+    assert loss == finished_run.val_loss
+    assert tokens == (111_540 - 1) // 16 * 16  # the whole validation split in windows of context 16
+
+
+def test_sample_continues_the_prompt_deterministically(finished_run):
+    a = sample(finished_run.run_dir, "ROMEO:", tokens=40, temperature=0.8, top_k=20, seed=1)
+    b = sample(finished_run.run_dir, "ROMEO:", tokens=40, temperature=0.8, top_k=20, seed=1)
+    greedy = sample(finished_run.run_dir, "ROMEO:", tokens=40, temperature=0, top_k=None, seed=5)
+    assert a == b and a.startswith("ROMEO:") and len(a.encode()) >= 40
+    assert greedy == sample(finished_run.run_dir, "ROMEO:", tokens=40, temperature=0, top_k=None, seed=6)
+
+
+def test_a_run_without_an_exported_model_is_a_clear_error(tmp_path):
+    (tmp_path / "config.yaml").write_text("method: diloco\n")
+    with pytest.raises(CheckpointError, match="no exported model"):
+        sample(tmp_path, "x", 5, 1.0, None, 0)

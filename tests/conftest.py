@@ -12,6 +12,7 @@ FAST = [
     "eval.blocks=8",
     "eval.final_full=false",
     "run.progress=false",
+    "run.plots=false",
 ]
 
 

@@ -32,3 +32,11 @@ def test_a_run_without_an_exported_model_is_a_clear_error(tmp_path):
     (tmp_path / "config.yaml").write_text("method: diloco\n")
     with pytest.raises(CheckpointError, match="no exported model"):
         sample(tmp_path, "x", 5, 1.0, None, 0)
+
+
+def test_plot_writes_pngs(finished_run):
+    from adloco.plots import plot_run
+
+    paths = plot_run(finished_run.run_dir)
+    assert [p.name for p in paths] == ["loss.png", "batch.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000 for p in paths)

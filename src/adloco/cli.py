@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=float, default=0.8, help="0 picks the most likely token")
     sample.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     sample.add_argument("--seed", type=int, default=0)
+    plot = commands.add_parser("plot", help="write PNG plots of a run (loss vs tokens, rounds, bytes; b per trainer)")
+    plot.add_argument("run_dir", metavar="RUN_DIR")
     return parser
 
 
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, load_config)
-        if args.command in ("eval", "sample"):
+        if args.command in ("eval", "sample", "plot"):
             return _use_run(args)
     except (ConfigError, DataError, CheckpointError) as error:
         print(f"adloco: error: {error}", file=sys.stderr)
@@ -93,9 +95,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _use_run(args: argparse.Namespace) -> int:
+    from adloco.checkpoint import CheckpointError
     from adloco.inference import evaluate_run, sample
 
     run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run directory '{run_dir}' does not exist")
+    if args.command == "plot":
+        from adloco.plots import plot_run
+
+        for path in plot_run(run_dir):
+            print(path)
+        return 0
     if args.command == "eval":
         loss, tokens = evaluate_run(run_dir)
         print(f"validation loss {loss:.4f} (perplexity {math.exp(loss):.3f}) over {tokens:,} tokens")

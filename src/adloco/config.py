@@ -145,6 +145,7 @@ class RunConfig(_Section):
     name: str | None = Field(None, description="Run directory name; default <model>_<dataset>_<UTC time>.")
     progress: bool = Field(True, description="Show a progress bar on the console.")
     save_final: bool = Field(True, description="Export the final model in Hugging Face format.")
+    plots: bool = Field(True, description="Write PNG plots into the run directory at the end (adloco plot).")
     max_failed_rounds: int = Field(
         3, ge=1, description="Stop after this many rounds in a row in which a trainer had no finite worker."
     )

@@ -147,7 +147,16 @@ def train(
     console = console or Console(stderr=True)
     if config.threads:
         torch.set_num_threads(config.threads)
+    owns_comm = comm is None
     comm = comm or make_communicator(config)
+    try:
+        return _train_with(config, resume, console, comm)
+    finally:
+        if owns_comm:
+            comm.close()
+
+
+def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
     device = resolve_device(config)
     tokenizer = get_tokenizer(config.data.tokenizer)
     model_config = preset_config(config.model.preset, tokenizer.vocab_size, config.model.context)
@@ -354,6 +363,13 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
     metrics.close()
     if config.run.save_final:
         _export_final(eval_model, cluster.trainers[best].theta, run_dir, tokenizer_info)
+    if config.run.plots:
+        from adloco.plots import plot_run
+
+        try:
+            plot_run(run_dir)
+        except Exception as error:  # a plot must never cost a finished run
+            log.warning("could not write plots: %s", error)
     comm.broadcast_object({k: v for k, v in result.__dict__.items() if k != "run_dir"}, src=0)
     log.info(
         "done: val loss %.4f (perplexity %.2f), %d tokens, %.1f s",

@@ -96,9 +96,10 @@ class Worker:
         while True:
             try:
                 result = self._accumulate(inputs, targets, stats_groups, gram, keep_gradient)
-                result.finite = math.isfinite(result.loss) and all(
-                    bool(torch.isfinite(p.grad).all()) for p in self.params if p.grad is not None
-                )
+                grads = [p.grad for p in self.params if p.grad is not None]
+                # one host sync for the whole model rather than one per tensor
+                finite_grads = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+                result.finite = math.isfinite(result.loss) and finite_grads
                 return result
             except (RuntimeError, torch.OutOfMemoryError) as error:
                 if not is_out_of_memory(error) or self.b_max == 1:

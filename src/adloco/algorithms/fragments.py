@@ -8,6 +8,8 @@ from typing import Literal
 
 import torch
 
+from adloco.algorithms.outer import pseudo_gradient
+
 _BLOCK = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d+)\.")
 
 
@@ -27,13 +29,19 @@ def assign_fragments(
 
     Blocks are dealt to fragments strided (block l → fragment l mod P) or in contiguous runs. Parameters
     outside every block (embeddings, final norm, head) join fragment 0 (``first``) or make up a fragment of
-    their own (``own``): then they are fragment 0 and the blocks share the other P − 1 fragments.
+    their own (``own``): then they are fragment 0 and the blocks share the other P − 1 fragments (a model
+    with no such parameters has nothing to put there, and ``own`` acts like ``first``). Every parameter is
+    in exactly one fragment and no fragment is empty; a P that cannot achieve this raises ValueError.
     """
+    if num_fragments < 1:
+        raise ValueError(f"streaming.fragments must be >= 1, got {num_fragments}")
+    if mode not in ("strided", "sequential"):
+        raise ValueError(f"streaming.assignment must be 'strided' or 'sequential', got {mode!r}")
+    if shared not in ("first", "own"):
+        raise ValueError(f"streaming.shared must be 'first' or 'own', got {shared!r}")
     blocks = sorted({i for i in (layer_index(n) for n in param_names) if i is not None})
     has_outside = any(layer_index(n) is None for n in param_names)
     block_fragments = num_fragments - 1 if shared == "own" and has_outside else num_fragments
-    if num_fragments < 1:
-        raise ValueError(f"streaming.fragments must be >= 1, got {num_fragments}")
     if block_fragments < 1 or block_fragments > max(len(blocks), 1):
         raise ValueError(
             f"streaming.fragments={num_fragments} does not fit a model with {len(blocks)} blocks"
@@ -57,6 +65,8 @@ def assign_fragments(
 
 def validate_schedule(sync_every: int, fragments: int, overlap: int) -> None:
     """Streaming needs H divisible by P and an overlap τ shorter than the gap H/P between fragments."""
+    if sync_every < 1 or fragments < 1:
+        raise ValueError(f"sync_every ({sync_every}) and streaming.fragments ({fragments}) must be >= 1")
     if sync_every % fragments != 0:
         raise ValueError(f"sync_every ({sync_every}) must be a multiple of streaming.fragments ({fragments})")
     if not 0 <= overlap < sync_every // fragments:
@@ -86,9 +96,24 @@ def fragments_receiving_at(step: int, sync_every: int, fragments: int, overlap: 
 
 
 def mix(local: torch.Tensor, outer: torch.Tensor, alpha: float) -> torch.Tensor:
-    """α·local + (1 − α)·outer; α = 0 returns ``outer`` itself and α = 1 ``local`` (exact)."""
+    """α·local + (1 − α)·outer; α = 0 returns ``outer`` itself and α = 1 ``local`` (exact, no copy)."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"streaming.alpha must be in [0, 1], got {alpha}")
     if alpha == 0:
         return outer
     if alpha == 1:
         return local
     return torch.lerp(outer, local, alpha)
+
+
+def fragment_pseudo_gradient(
+    outer_params: Sequence[torch.Tensor], worker_params_per_worker: Sequence[Sequence[torch.Tensor]]
+) -> list[torch.Tensor]:
+    """Δ_p = (1/M) Σ_m (θ_p − θ_{m,p}) for one fragment's tensors, summed in worker order in float32.
+
+    The same arithmetic as a whole-model pseudo-gradient (float64 params stay float64), so P = 1 streaming
+    reproduces DiLoCo bit for bit.
+    """
+    if not worker_params_per_worker:
+        raise ValueError("fragment_pseudo_gradient needs at least one worker")
+    return pseudo_gradient(outer_params, worker_params_per_worker)

@@ -8,8 +8,6 @@ from typing import Literal
 
 import torch
 
-from adloco.algorithms.outer import pseudo_gradient
-
 _BLOCK = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d+)\.")
 
 
@@ -104,16 +102,3 @@ def mix(local: torch.Tensor, outer: torch.Tensor, alpha: float) -> torch.Tensor:
     if alpha == 1:
         return local
     return torch.lerp(outer, local, alpha)
-
-
-def fragment_pseudo_gradient(
-    outer_params: Sequence[torch.Tensor], worker_params_per_worker: Sequence[Sequence[torch.Tensor]]
-) -> list[torch.Tensor]:
-    """Δ_p = (1/M) Σ_m (θ_p − θ_{m,p}) for one fragment's tensors, summed in worker order in float32.
-
-    The same arithmetic as a whole-model pseudo-gradient (float64 params stay float64), so P = 1 streaming
-    reproduces DiLoCo bit for bit.
-    """
-    if not worker_params_per_worker:
-        raise ValueError("fragment_pseudo_gradient needs at least one worker")
-    return pseudo_gradient(outer_params, worker_params_per_worker)

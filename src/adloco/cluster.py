@@ -10,20 +10,19 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.futures import Future
-from transformers import PretrainedConfig
 
 from adloco.algorithms.batch_tests import BatchSizeController
 from adloco.algorithms.codecs import ErrorFeedback, get_codec
 from adloco.algorithms.fragments import assign_fragments, fragments_sending_at
 from adloco.algorithms.merge import merge_weights, merged_batch_size, select_merge_group, weighted_average
+from adloco.algorithms.outer import worker_delta
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
-from adloco.data import Corpus, TokenStream
-from adloco.model import build_model
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
+from adloco.tasks import Task
 from adloco.trainer import Trainer
-from adloco.worker import Worker
+from adloco.worker import EagerCopy, Worker
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +78,12 @@ def placement(trainers: int, workers_per_trainer: int) -> dict[int, list[int]]:
     return {k: list(range(k * workers_per_trainer, (k + 1) * workers_per_trainer)) for k in range(trainers)}
 
 
-def resolve_b_max(config: TrainConfig, model: torch.nn.Module, context: int, vocab_size: int) -> int:
-    """b_max from the config, or probed with real steps: on CUDA under ``memory_fraction`` of the device,
-    on CPU under ``memory_budget_mb`` of process memory (without a budget a CPU worker is limited by b_cap)."""
+def resolve_b_max(
+    config: TrainConfig, model: torch.nn.Module, context: int, vocab_size: int, task: Task | None = None
+) -> int:
+    """b_max from the config, or probed with real steps (of ``task``'s batches and loss): on CUDA under
+    ``memory_fraction`` of the device, on CPU under ``memory_budget_mb`` of process memory (without a budget
+    a CPU worker is limited by b_cap)."""
     batch = config.batch
     if batch.b_max is not None:
         return batch.b_max
@@ -94,7 +96,7 @@ def resolve_b_max(config: TrainConfig, model: torch.nn.Module, context: int, voc
         meter, budget = ProcessMemoryMeter(), int(batch.memory_budget_mb * 2**20)
     else:
         return batch.b_cap
-    found = probe_b_max(training_step_at(model, context, vocab_size), meter, budget, upper=batch.b_cap)
+    found = probe_b_max(training_step_at(model, context, vocab_size, task), meter, budget, upper=batch.b_cap)
     if found == 0:
         raise ConfigError(f"batch: not even one sample fits in {budget / 2**20:.0f} MiB at context {context}")
     log.info("b_max probe on %s: %d samples per micro-batch fit in %.0f MiB", device, found, budget / 2**20)
@@ -107,15 +109,15 @@ class Cluster:
     def __init__(
         self,
         config: TrainConfig,
-        model_config: PretrainedConfig,
-        corpus: Corpus,
+        task: Task,
         comm: Communicator,
         device: torch.device | None = None,
     ) -> None:
         assert config.trainers is not None and config.sync_every is not None
         self.config = config
         self.comm = comm
-        self.context = int(model_config.max_position_embeddings)
+        self.task = task
+        self.context = task.context
         batch = config.batch
         self.collect_statistics = config.method == "adloco" or batch.test != "constant"
         self.device = device or torch.device("cpu")
@@ -130,9 +132,9 @@ class Cluster:
         fragments = None
         for trainer_id, worker_ids in layout.items():
             init_seed = config.seed if config.merge.shared_init else config.seed + trainer_id
-            template = build_model(model_config, init_seed)
+            template = task.build_model(init_seed)
             if b_max is None:
-                b_max = resolve_b_max(config, template.to(self.device), self.context, int(model_config.vocab_size))
+                b_max = resolve_b_max(config, template.to(self.device), self.context, task.vocab_size, task)
                 template = template.cpu()
             if self.streaming and fragments is None:
                 names = [name for name, _ in template.named_parameters()]
@@ -169,15 +171,32 @@ class Cluster:
             for worker_id in worker_ids:
                 if self.worker_rank[worker_id] != comm.rank:
                     continue
-                stream = TokenStream(corpus.train, self.context, seed=config.seed * _STREAM_SEED_STRIDE + worker_id)
+                seed = config.seed * _STREAM_SEED_STRIDE + worker_id
+                stream = task.stream(seed, worker=worker_id, workers=config.total_workers)
                 self.workers[worker_id] = Worker(
-                    worker_id, copy.deepcopy(template).to(self.device), config.inner, stream, b_max, batch.switch_factor
+                    worker_id,
+                    copy.deepcopy(template).to(self.device),
+                    config.inner,
+                    stream,
+                    b_max,
+                    batch.switch_factor,
+                    loss_fn=task.loss,
                 )
                 if codec is not None and config.codec.error_feedback:
                     self.workers[worker_id].error_feedback = ErrorFeedback()
             self.trainers[trainer_id].broadcast(self.workers)
+            if config.outer.overlap == "eager":
+                for worker_id in worker_ids:
+                    if worker_id in self.workers:
+                        self.workers[worker_id].eager = EagerCopy(
+                            self.trainers[trainer_id].theta,
+                            config.outer.lr,
+                            config.outer.momentum,
+                            bool(config.outer.nesterov),
+                        )
         self.param_names = [name for name, _ in template.named_parameters()]
-        # Streaming exchanges in flight: (trainer, fragment) -> (step at which to apply, future of Δ).
+        # Exchanges in flight: (trainer, fragment) -> (step at which to apply, future of Δ). Streaming applies
+        # them τ steps after sending; outer.overlap applies fragment 0 (all of θ) at the end of the next round.
         self.pending: dict[tuple[int, int], tuple[int, Future]] = {}
         self.peak_sync_bytes = 0
         # b_max is per worker device: every rank learns every worker's, so all plan the same token budget.
@@ -265,7 +284,12 @@ class Cluster:
                 log.warning(
                     "round %d: every worker of trainer %d failed; the round is skipped", round_index, trainer.trainer_id
                 )
-                trainer.broadcast(self.workers)
+                if config.outer.overlap != "none":
+                    self._overlapped_outer_step(trainer, mine, send=False)
+                else:
+                    trainer.broadcast(self.workers)
+            elif config.outer.overlap != "none":
+                self._overlapped_outer_step(trainer, failed & mine)
             elif not self.streaming:
                 self._count_sync(trainer, 0)
                 trainer.outer_step(self.comm, self.workers, excluded=failed & mine)
@@ -312,6 +336,27 @@ class Cluster:
                 self.workers[worker_id].optimizer.zero_grad(set_to_none=True)
             else:
                 self.workers[worker_id].step(lr)
+
+    def _overlapped_outer_step(self, trainer: Trainer, excluded: set[int], send: bool = True) -> None:
+        """Send this round's Δ without waiting for it; apply the one sent a round ago, which has had a whole
+        round of compute to arrive. A skipped round (``send=False``) only applies what arrives."""
+        key = (trainer.trainer_id, 0)
+        arrived = self.pending.pop(key)[1].wait() if key in self.pending else None
+        hosted = [w for w in trainer.worker_ids if w in self.workers]
+        eager = {w: self.workers[w].eager for w in hosted if self.workers[w].eager is not None}
+        fresh: dict[int, list[torch.Tensor]] = {}
+        if send:
+            bases = {w: copy.theta for w, copy in eager.items()} if eager else None
+            self._count_sync(trainer, 0)
+            future = trainer.send_fragment(0, self.comm, self.workers, excluded=excluded, bases=bases)
+            self.pending[key] = (0, future)
+            healthy = trainer.healthy_count(excluded)
+            fresh = {
+                w: [d.div_(healthy) for d in worker_delta(copy.theta, self.workers[w].params)]
+                for w, copy in eager.items()
+                if w not in excluded
+            }
+        trainer.apply_overlapped(arrived, fresh, self.workers)
 
     def _count_sync(self, trainer: Trainer, fragment: int) -> None:
         """Track the largest single exchange: every worker's payload for one fragment."""

@@ -16,7 +16,7 @@ from adloco.algorithms.batch_tests import (
 )
 from adloco.algorithms.codecs import Codec, Encoded
 from adloco.algorithms.fragments import mix
-from adloco.algorithms.outer import OuterOptimizer, sum_in_order, worker_delta
+from adloco.algorithms.outer import OuterOptimizer, eager_pseudo_gradient, sum_in_order, worker_delta
 from adloco.checkpoint import CheckpointError
 from adloco.comm.base import Communicator
 from adloco.worker import Worker
@@ -104,15 +104,26 @@ class Trainer:
 
     @torch.no_grad()
     def send_fragment(
-        self, index: int, comm: Communicator, workers: Mapping[int, Worker], excluded: Set[int] = frozenset()
+        self,
+        index: int,
+        comm: Communicator,
+        workers: Mapping[int, Worker],
+        excluded: Set[int] = frozenset(),
+        bases: Mapping[int, Sequence[torch.Tensor]] | None = None,
     ) -> Future:
-        """Start exchanging fragment ``index``'s pseudo-gradient; the future holds the healthy workers' mean Δ."""
+        """Start exchanging fragment ``index``'s pseudo-gradient; the future holds the healthy workers' mean Δ.
+
+        Each worker's Δ is measured from θ, or from its own starting point in ``bases`` (eager updates,
+        where workers start a round from slightly different parameters).
+        """
         fragment = self.fragments[index]
         theta = [self.theta[i] for i in fragment]
         local = {
             w: [torch.zeros_like(t) for t in theta]
             if w in excluded
-            else worker_delta(theta, [workers[w].params[i] for i in fragment])
+            else worker_delta(
+                theta if bases is None else [bases[w][i] for i in fragment], [workers[w].params[i] for i in fragment]
+            )
             for w in self.worker_ids
             if w in workers
         }
@@ -174,6 +185,32 @@ class Trainer:
                 params[i].copy_(
                     self.theta[i] if alpha == 0 else mix(params[i], self.theta[i].to(params[i].device), alpha)
                 )
+
+    @torch.no_grad()
+    def apply_overlapped(
+        self,
+        arrived: Sequence[torch.Tensor] | None,
+        fresh_shares: Mapping[int, list[torch.Tensor]],
+        workers: Mapping[int, Worker],
+    ) -> None:
+        """End of a round with a full round of overlap: θ takes the mean Δ that has just arrived (a round
+        late); each hosted worker restarts from θ (delayed) or from its own eager copy (eager), whose outer
+        step swaps its stale share of the arrived mean for its fresh one."""
+        if arrived is not None:
+            self.outers[0].step(arrived)
+        for worker_id in self.worker_ids:
+            if worker_id not in workers:
+                continue
+            worker = workers[worker_id]
+            if worker.eager is None:
+                worker.load_params(self.theta)
+                continue
+            eager = worker.eager
+            fresh = fresh_shares.get(worker_id)
+            if arrived is not None or eager.share is not None or fresh is not None:
+                eager.outer.step(eager_pseudo_gradient(arrived, eager.share, fresh))
+            eager.share = fresh
+            worker.load_params(eager.theta)
 
     def momentum_buffers(self) -> list[torch.Tensor | None]:
         """Outer momentum per θ tensor, in parameter order, whatever the fragments."""

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from adloco.algorithms.batch_tests import GradientStatistics, statistics_from_gram, statistics_from_norms
 from adloco.algorithms.codecs import ErrorFeedback
+from adloco.algorithms.outer import OuterOptimizer
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
@@ -35,6 +36,30 @@ class StepResult:
     finite: bool = True
 
 
+class EagerCopy:
+    """Eager updates: a worker's own outer parameters and outer momentum, and its share of the mean Δ
+    still in flight. Workers start rounds from their own copies; θ itself lags them by one exchange."""
+
+    def __init__(self, theta: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool) -> None:
+        self.theta = [t.detach().clone() for t in theta]
+        self.outer = OuterOptimizer(self.theta, lr=lr, momentum=momentum, nesterov=nesterov)
+        self.share: list[torch.Tensor] | None = None
+
+    def state_dict(self) -> dict:
+        return {
+            "theta": [t.clone() for t in self.theta],
+            "outer": self.outer.state_dict(),
+            "share": None if self.share is None else [t.clone() for t in self.share],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for t, saved in zip(self.theta, state["theta"], strict=True):
+            t.copy_(saved)
+        self.outer.load_state_dict(state["outer"])
+        self.share = None if state["share"] is None else [t.clone() for t in state["share"]]
+
+
 class Worker:
     """An inner-optimisation stream. Its parameters are overwritten with θ after every outer step."""
 
@@ -46,10 +71,12 @@ class Worker:
         stream: TokenStream,
         b_max: int,
         switch_factor: float,
+        loss_fn: Callable[..., torch.Tensor] = next_token_loss,
     ) -> None:
         self.worker_id = worker_id
         self.model = model
-        self.stream = stream
+        self.stream = stream  # any sample stream of the task: next_batch(size) -> tensors, one row per sample
+        self.loss_fn = loss_fn  # the task's mean loss of (model, *batch tensors)
         self.b_max = b_max
         self.switch_factor = switch_factor
         self.clip = inner.clip
@@ -69,6 +96,7 @@ class Worker:
         )
         self.last_gradient: torch.Tensor | None = None
         self.error_feedback: ErrorFeedback | None = None
+        self.eager: EagerCopy | None = None
 
     @torch.no_grad()
     def load_params(self, theta: Sequence[torch.Tensor]) -> None:
@@ -92,10 +120,10 @@ class Worker:
         samples = self.plan(b_req).samples
         if stats_groups is not None:
             samples = max(samples, 2)
-        inputs, targets = (t.to(self.device) for t in self.stream.next_batch(samples))
+        data = tuple(t.to(self.device) for t in self.stream.next_batch(samples))
         while True:
             try:
-                result = self._accumulate(inputs, targets, stats_groups, gram, keep_gradient)
+                result = self._accumulate(data, stats_groups, gram, keep_gradient)
                 grads = [p.grad for p in self.params if p.grad is not None]
                 # one host sync for the whole model rather than one per tensor
                 finite_grads = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
@@ -112,17 +140,16 @@ class Worker:
 
     def _accumulate(
         self,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
+        data: tuple[torch.Tensor, ...],
         stats_groups: int | None,
         gram: bool,
         keep_gradient: bool,
     ) -> StepResult:
-        batch = inputs.size(0)
+        batch = data[0].size(0)
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = inputs.numel()
+        tokens = data[0].numel()  # samples × context: the budget counts padded classification rows in full
         if stats_groups is None:
-            loss = self._backward_samples(inputs, targets, 0, batch, weight_total=batch)
+            loss = self._backward_samples(data, 0, batch, weight_total=batch)
             if keep_gradient:
                 self.last_gradient = self._flat_gradient()
             return StepResult(loss=loss, samples=batch, tokens=tokens)
@@ -135,7 +162,7 @@ class Worker:
         start = 0
         for size in sizes:
             self.optimizer.zero_grad(set_to_none=True)
-            group_loss = self._backward_samples(inputs, targets, start, start + size, weight_total=size)
+            group_loss = self._backward_samples(data, start, start + size, weight_total=size)
             group_mean = self._flat_gradient()
             loss += group_loss * size / batch
             weighted_sq += size * float(group_mean.double().square().sum())
@@ -153,9 +180,7 @@ class Worker:
             self.last_gradient = total.clone()
         return StepResult(loss=loss, samples=batch, tokens=tokens, statistics=statistics)
 
-    def _backward_samples(
-        self, inputs: torch.Tensor, targets: torch.Tensor, start: int, stop: int, weight_total: int
-    ) -> float:
+    def _backward_samples(self, data: tuple[torch.Tensor, ...], start: int, stop: int, weight_total: int) -> float:
         """Backward over samples [start, stop) in near-equal micro-batches of at most b_max.
 
         Each micro-batch's mean loss is weighted by its share of ``weight_total`` samples, so the
@@ -165,7 +190,7 @@ class Worker:
         loss_sum = 0.0
         offset = start
         for size in split_evenly(count, -(-count // self.b_max)):
-            loss = next_token_loss(self.model, inputs[offset : offset + size], targets[offset : offset + size])
+            loss = self.loss_fn(self.model, *(t[offset : offset + size] for t in data))
             (loss * (size / weight_total)).backward()
             loss_sum += float(loss.detach()) * size
             offset += size
@@ -212,6 +237,7 @@ class Worker:
             "stream": self.stream.state_dict(),
             "b_max": self.b_max,
             "error_feedback": None if self.error_feedback is None else self.error_feedback.state_dict(),
+            "eager": None if self.eager is None else self.eager.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -222,3 +248,6 @@ class Worker:
             self.load_params(state["params"])
         if self.error_feedback is not None and state.get("error_feedback") is not None:
             self.error_feedback.load_state_dict(state["error_feedback"])
+        if self.eager is not None and state.get("eager") is not None:
+            self.eager.load_state_dict(state["eager"])
+            self.load_params(self.eager.theta)  # it starts the next round from its own copy, not from θ

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from adloco.algorithms.outer import OuterOptimizer, pseudo_gradient
+from adloco.algorithms.outer import OuterOptimizer, eager_pseudo_gradient, pseudo_gradient
 
 F64 = torch.float64
 
@@ -98,3 +98,26 @@ def test_outer_step_leaves_params_without_delta_untouched():
     assert torch.equal(theta[1], before[1])
     assert torch.equal(outer.momentum_buffers()[1], momentum_before[1])
     assert not torch.equal(theta[0], before[0])
+
+
+def test_eager_pseudo_gradient_swaps_the_own_stale_share_for_the_fresh_one():
+    # Two workers, scalar: last round's mean (2 + 4)/2 = 3 held worker 0's share 2/2; its fresh Δ is 6.
+    arrived, stale, fresh = [torch.tensor([3.0])], [torch.tensor([1.0])], [torch.tensor([3.0])]
+    assert eager_pseudo_gradient(arrived, stale, fresh)[0].item() == (4.0 + 6.0) / 2
+
+
+def test_eager_pseudo_gradient_with_one_worker_is_the_fresh_delta_bit_for_bit():
+    torch.manual_seed(0)
+    old, new = [torch.randn(5, 3)], [torch.randn(5, 3)]
+    out = eager_pseudo_gradient(old, [old[0] / 1], [new[0] / 1])
+    assert torch.equal(out[0], new[0])
+
+
+def test_eager_pseudo_gradient_first_round_and_failed_worker():
+    fresh = [torch.tensor([0.5, -1.0])]
+    assert torch.equal(eager_pseudo_gradient(None, None, fresh)[0], fresh[0])
+    # A worker left out of this round contributes no fresh share: only the others' stale mean remains.
+    arrived, stale = [torch.tensor([3.0, 3.0])], [torch.tensor([1.0, 2.0])]
+    assert torch.equal(eager_pseudo_gradient(arrived, stale, None)[0], torch.tensor([2.0, 1.0]))
+    with pytest.raises(ValueError):
+        eager_pseudo_gradient(None, None, None)

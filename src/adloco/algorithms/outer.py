@@ -35,6 +35,29 @@ def pseudo_gradient(
     return [t.div_(len(workers_params)) for t in total]
 
 
+def eager_pseudo_gradient(
+    arrived: Sequence[torch.Tensor] | None,
+    stale_share: Sequence[torch.Tensor] | None,
+    fresh_share: Sequence[torch.Tensor] | None,
+) -> list[torch.Tensor]:
+    """Eager updates (arXiv 2502.12996): the stale mean Δ of the last round with this worker's own share in
+    it replaced by its fresh one, ``arrived − stale_share + fresh_share``; ``None`` stands for zeros.
+
+    The shares are what the worker contributed to the mean (its Δ_m divided by the number of workers
+    averaged), so with one worker the result is exactly the fresh Δ and eager DiLoCo is DiLoCo.
+    """
+    parts = [arrived, stale_share, fresh_share]
+    like = next((p for p in parts if p is not None), None)
+    if like is None:
+        raise ValueError("eager_pseudo_gradient needs at least one of its three terms")
+    out = [torch.zeros_like(t) for t in like] if arrived is None else [t.clone() for t in arrived]
+    for sign, share in ((-1.0, stale_share), (1.0, fresh_share)):
+        if share is not None:
+            for acc, t in zip(out, share, strict=True):
+                acc.add_(t, alpha=sign)
+    return out
+
+
 def _reduce_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 

@@ -38,5 +38,5 @@ def test_plot_writes_pngs(finished_run):
     from adloco.plots import plot_run
 
     paths = plot_run(finished_run.run_dir)
-    assert [p.name for p in paths] == ["loss.png", "batch.png"]
+    assert [p.name for p in paths] == ["loss.png", "batch.png", "memory.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000 for p in paths)

@@ -10,12 +10,25 @@ import torch
 
 from adloco.checkpoint import CheckpointError
 from adloco.config import ConfigError
-from adloco.data import Corpus, get_tokenizer, validation_blocks
+from adloco.data import exported_tokenizer, load_corpus
+from adloco.model import max_positions
+from adloco.tasks import Evaluation, build_task
+
+
+def run_task(run_dir: Path) -> str:
+    """The task a run trained (``lm`` when its config does not say, as before tasks existed)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return "lm"
+    return str(data.get("task", "lm")) if isinstance(data, dict) else "lm"
 
 
 def load_final(run_dir: Path) -> tuple[torch.nn.Module, object]:
     """The exported model (``final/``) and its tokenizer."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
     final = run_dir / "final"
@@ -28,32 +41,54 @@ def load_final(run_dir: Path) -> tuple[torch.nn.Module, object]:
         raise CheckpointError(f"'{description_path}' is missing or not JSON") from None
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(final).float().eval()
-    return model, get_tokenizer(description.get("type", "byte"))
+    auto = AutoModelForSequenceClassification if run_task(run_dir) == "classification" else AutoModelForCausalLM
+    if not isinstance(description, dict):
+        raise CheckpointError(f"'{description_path}' does not describe a tokenizer")
+    try:
+        model = auto.from_pretrained(final).float().eval()
+    except Exception as error:  # transformers and safetensors raise many types for a damaged export
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        raise CheckpointError(f"the exported model in '{final}' cannot be loaded ({reason})") from None
+    return model, exported_tokenizer(final, description)
 
 
 @torch.no_grad()
-def evaluate_run(run_dir: Path) -> tuple[float, int]:
-    """Validation loss of the exported model over the whole validation split, and the tokens it covers."""
-    from adloco.training import evaluate, resume_config
+def evaluate_final(run_dir: Path) -> Evaluation:
+    """The exported model on the whole validation split: loss, tokens or samples covered, and (for
+    classification runs) accuracy."""
+    from adloco.training import resume_config
 
     config = resume_config(run_dir)
     model, tokenizer = load_final(run_dir)
-    context = int(model.config.max_position_embeddings)
-    corpus = Corpus.load(config.data.dataset, tokenizer, config.data.val_fraction, context)
-    blocks = validation_blocks(corpus.val, context)
-    loss = evaluate(model, [p.detach().clone() for p in model.parameters()], blocks)
-    return loss, int(blocks[:, 1:].numel())
+    task = build_task(
+        config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context), model_config=model.config
+    )
+    return task.evaluate(model, [p.detach().clone() for p in model.parameters()])
+
+
+def evaluate_run(run_dir: Path) -> tuple[float, int]:
+    """Validation loss of the exported model over the whole validation split, and the tokens (or samples) it
+    covers."""
+    result = evaluate_final(run_dir)
+    return result.loss, result.count
 
 
 @torch.no_grad()
 def sample(run_dir: Path, prompt: str, tokens: int, temperature: float, top_k: int | None, seed: int) -> str:
     """Continue ``prompt`` by ``tokens`` tokens, reading at most the model's context at a time."""
-    if temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
+    if not 0 <= temperature < math.inf:  # also refuses NaN
+        raise ConfigError(f"--temperature must be a number >= 0, got {temperature}")
+    if tokens < 0:
+        raise ConfigError(f"--tokens must be >= 0, got {tokens}")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"--top-k must be >= 1, got {top_k}")
+    if not -(2**63) <= seed < 2**64:  # what torch's generator accepts
+        raise ConfigError(f"--seed must fit in 64 bits, got {seed}")
+    if run_task(run_dir) == "classification":
+        raise ConfigError(f"'{run_dir}' is a classification run: its model labels texts and generates nothing")
     model, tokenizer = load_final(run_dir)
-    context = int(model.config.max_position_embeddings)
-    ids = tokenizer.encode(prompt) if prompt else torch.tensor([ord("\n")])
+    context = max_positions(model.config) or 2**31  # architectures without a limit read the whole text
+    ids = tokenizer.encode(prompt or "\n")  # an empty prompt starts at a line break
     generator = torch.Generator().manual_seed(seed)
     for _ in range(tokens):
         logits = model(input_ids=ids[-context:][None], use_cache=False).logits[0, -1].float()

@@ -1,11 +1,15 @@
-"""PNG plots of a run from its metrics.jsonl: loss vs tokens, rounds and bytes; b per trainer."""
+"""PNG plots of a run from its metrics.jsonl: loss vs tokens, rounds and bytes with merges; b per trainer; memory."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from adloco.checkpoint import CheckpointError
 from adloco.metrics import read_metrics
+
+# x coordinate of a round record on each of the loss plot's three axes
+_AXES = (("tokens", "training tokens"), ("rounds", "rounds (synchronisations)"), ("bytes_total", "bytes sent"))
 
 
 def _series(records: list[dict], key: str) -> dict[str, list[tuple[float, float, float, float]]]:
@@ -16,29 +20,66 @@ def _series(records: list[dict], key: str) -> dict[str, list[tuple[float, float,
         if record["kind"] != "round" or not values:
             continue
         for trainer, value in values.items():
-            out.setdefault(trainer, []).append((record["tokens"], record["round"] + 1, record["bytes_total"], value))
+            if isinstance(value, int | float):  # non-finite values are stored as strings
+                out.setdefault(trainer, []).append(
+                    (record["tokens"], record["round"] + 1, record["bytes_total"], value)
+                )
     return out
 
 
+def _merge_points(records: list[dict]) -> list[tuple[tuple[float, float, float], str]]:
+    """For every merge: its (tokens, rounds, bytes) position, from the round it happened in, and a label."""
+    by_round = {r["round"]: r for r in records if r["kind"] == "round"}
+    out = []
+    for merge in (r for r in records if r["kind"] == "merge"):
+        record = by_round.get(merge["round"])
+        if record is None:
+            continue
+        others = ",".join(str(t) for t in merge.get("merged", []) if t != merge.get("into"))
+        out.append(((record["tokens"], merge["round"] + 1, record["bytes_total"]), f"{others}→{merge.get('into')}"))
+    return out
+
+
+def _memory_series(records: list[dict]) -> dict[tuple[int, str], list[tuple[float, float]]]:
+    """Per (rank, field): (rounds, MiB) for every round record carrying a memory report."""
+    out: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for record in records:
+        if record["kind"] != "round":
+            continue
+        for entry in record.get("memory") or []:
+            for field, value in entry.items():
+                if field != "rank" and isinstance(value, int | float):
+                    out.setdefault((entry.get("rank", 0), field), []).append((record["round"] + 1, value))
+    return out
+
+
+def _save(figure: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
 def plot_run(run_dir: Path) -> list[Path]:
-    """Write the plots into ``run_dir/plots`` and return their paths."""
+    """Write the plots into ``run_dir/plots`` and return their paths (memory.png only when memory was recorded)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
+    if not path.is_file():
         raise CheckpointError(f"'{run_dir}' has no metrics.jsonl to plot")
     records = read_metrics(path)
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)
     written = []
     val, train = _series(records, "val_loss"), _series(records, "train_loss")
+    merges = _merge_points(records)
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for axis, column, label in zip(
-        axes, (0, 1, 2), ("training tokens", "rounds (synchronisations)", "bytes sent"), strict=True
-    ):
+    for axis, column, (_, label) in zip(axes, (0, 1, 2), _AXES, strict=True):
         for trainer, points in sorted(train.items()):
             axis.plot(
                 [p[column] for p in points], [p[3] for p in points], alpha=0.35, label=f"train, trainer {trainer}"
@@ -47,31 +88,54 @@ def plot_run(run_dir: Path) -> list[Path]:
             axis.plot(
                 [p[column] for p in points], [p[3] for p in points], marker="o", ms=3, label=f"val, trainer {trainer}"
             )
+        for position, text in merges:
+            axis.axvline(position[column], color="grey", ls=":", lw=1)
+            axis.annotate(
+                text, (position[column], 1), xycoords=("data", "axes fraction"), fontsize=7, rotation=90, va="top"
+            )
         axis.set_xlabel(label)
         axis.set_ylabel("loss (nats per token)")
         axis.grid(alpha=0.3)
     axes[2].set_xscale("log")
-    axes[0].legend(fontsize=7)
-    figure.suptitle(f"{run_dir.name}: loss")
-    figure.tight_layout()
-    written.append(out_dir / "loss.png")
-    figure.savefig(written[-1], dpi=110)
-    plt.close(figure)
+    if train or val:
+        axes[0].legend(fontsize=7)
+    figure.suptitle(f"{run_dir.name}: loss" + (" (dotted: merges, merged → kept trainer)" if merges else ""))
+    written.append(_save(figure, out_dir / "loss.png"))
 
     batch = _series(records, "batch")
-    merges = [r for r in records if r["kind"] == "merge"]
     figure, axis = plt.subplots(figsize=(7, 4))
     for trainer, points in sorted(batch.items()):
         axis.step([p[1] for p in points], [p[3] for p in points], where="post", label=f"trainer {trainer}")
-    for merge in merges:
-        axis.axvline(merge["round"] + 1, color="grey", ls=":", lw=1)
+    for position, text in merges:
+        axis.axvline(position[1], color="grey", ls=":", lw=1)
+        axis.annotate(text, (position[1], 1), xycoords=("data", "axes fraction"), fontsize=7, rotation=90, va="top")
     axis.set_xlabel("round")
     axis.set_ylabel("per-worker batch b")
     axis.set_title("batch size per trainer (dotted: merges)")
     axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    written.append(out_dir / "batch.png")
-    figure.savefig(written[-1], dpi=110)
-    plt.close(figure)
+    if batch:
+        axis.legend(fontsize=8)
+    written.append(_save(figure, out_dir / "batch.png"))
+
+    memory = _memory_series(records)
+    if memory:
+        cuda = any(field.startswith("cuda") for _, field in memory)
+        figure, axes = plt.subplots(1, 2 if cuda else 1, figsize=(13 if cuda else 7, 4), squeeze=False)
+        panels = [("process memory (RSS) per rank", ("rss_mib", "peak_rss_mib"))]
+        if cuda:
+            panels.append(("CUDA memory per rank", ("cuda_allocated_mib", "cuda_peak_allocated_mib")))
+        for axis, (title, fields) in zip(axes[0], panels, strict=True):
+            for (rank, field), points in sorted(memory.items()):
+                if field in fields:
+                    style = "--" if "peak" in field else "-"
+                    axis.plot([p[0] for p in points], [p[1] for p in points], style, label=f"rank {rank}: {field}")
+            for position, _ in merges:
+                axis.axvline(position[1], color="grey", ls=":", lw=1)
+            axis.set_xlabel("round")
+            axis.set_ylabel("MiB")
+            axis.set_title(title)
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=7)
+        figure.suptitle(f"{run_dir.name}: memory (dashed: peak)")
+        written.append(_save(figure, out_dir / "memory.png"))
     return written

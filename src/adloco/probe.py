@@ -10,12 +10,15 @@ import logging
 import resource
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from adloco.algorithms.switch import search_max_batch
 from adloco.model import next_token_loss
+
+if TYPE_CHECKING:
+    from adloco.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +102,24 @@ def probe_b_max(step: Callable[[int], None], meter: MemoryMeter, budget_bytes: i
     return search_max_batch(fits, upper, lower)
 
 
-def training_step_at(model: torch.nn.Module, context: int, vocab_size: int) -> Callable[[int], None]:
-    """A real forward/backward/AdamW step at ``context`` on a scratch copy of ``model``."""
+def training_step_at(
+    model: torch.nn.Module, context: int, vocab_size: int, task: Task | None = None
+) -> Callable[[int], None]:
+    """A real forward/backward/AdamW step at ``context`` on a scratch copy of ``model``.
+
+    With a ``task`` the step uses the task's batch shape and loss (default: next-token prediction).
+    """
     scratch = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(scratch.parameters(), lr=0.0)
     device = next(scratch.parameters()).device
 
     def step(batch: int) -> None:
+        if task is not None:
+            loss = task.loss(scratch, *task.scratch_batch(batch, device))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return
         tokens = torch.randint(0, vocab_size, (batch, context + 1), device=device)
         loss = next_token_loss(scratch, tokens[:, :-1], tokens[:, 1:])
         loss.backward()

@@ -1,0 +1,272 @@
+"""``adloco runs``: what the run directories under a root hold, and the RUNNING / FAILED markers behind it.
+
+A run's status is read from its files alone:
+
+- **finished**: ``metrics.jsonl`` ends with a ``final`` record and ``final/`` exists (or export was off);
+- **running**: ``RUNNING`` names a live process (pid and its start time, on this host);
+- **failed**: ``FAILED`` holds the error that stopped the run, or nothing was ever checkpointed;
+- **stopped at round N**: checkpoints but no final model, no live process (killed, interrupted, out of power).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import socket
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from adloco.checkpoint import CheckpointError
+
+RUNNING_FILE = "RUNNING"
+FAILED_FILE = "FAILED"
+_CHECKPOINT = re.compile(r"^round_(\d+)\.pt$")
+
+
+def _process_start(pid: int) -> str | None:
+    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat): tells a reused pid apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may contain spaces and parentheses: split after its closing one
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def mark_running(run_dir: Path) -> None:
+    """Write ``RUNNING`` (pid, host, start) for ``adloco runs``; a previous attempt's ``FAILED`` no longer holds."""
+    marker = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "process_start": _process_start(os.getpid()),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    with contextlib.suppress(OSError):
+        (run_dir / FAILED_FILE).unlink(missing_ok=True)
+        (run_dir / RUNNING_FILE).write_text(json.dumps(marker) + "\n")
+
+
+def mark_ended(run_dir: Path, error: BaseException | None) -> None:
+    """Remove ``RUNNING``; record an error (not a Ctrl-C, which only stops the run) in ``FAILED``."""
+    with contextlib.suppress(OSError):
+        (run_dir / RUNNING_FILE).unlink(missing_ok=True)
+        if error is not None and not isinstance(error, KeyboardInterrupt | SystemExit):
+            first_line = (str(error).strip().splitlines() or [""])[0][:300]
+            (run_dir / FAILED_FILE).write_text(f"{type(error).__name__}: {first_line}\n")
+
+
+@dataclass
+class RunSummary:
+    """One row of ``adloco runs``."""
+
+    name: str
+    path: str
+    method: str | None
+    status: str
+    tokens: int | None
+    total_tokens: int | None
+    rounds: int | None
+    val_loss: float | None
+    modified: float
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["modified"] = datetime.fromtimestamp(self.modified, timezone.utc).isoformat(timespec="seconds")
+        return out
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """The parseable records of a metrics file; a torn last line from a killed process is skipped."""
+    records = []
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    records.append(record)
+    return records
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    with contextlib.suppress(OSError, yaml.YAMLError, UnicodeDecodeError):
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict):
+            return data
+    return {}
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _best_loss(values: Any) -> float | None:
+    losses = [v for v in map(_finite, (values or {}).values()) if v is not None] if isinstance(values, dict) else []
+    return min(losses) if losses else None
+
+
+def _alive(marker: dict[str, Any]) -> bool:
+    if marker.get("host") not in (None, socket.gethostname()):
+        return True  # another machine's process cannot be checked from here: trust the marker
+    pid = marker.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    started = marker.get("process_start")
+    now = _process_start(pid)
+    return started is None or now is None or started == now
+
+
+def _checkpoint_rounds(run_dir: Path) -> list[int]:
+    folder = run_dir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _CHECKPOINT.match(p.name)))
+
+
+def _modified(run_dir: Path) -> float:
+    times = [run_dir.stat().st_mtime]
+    for path in (*run_dir.iterdir(), *(run_dir / "checkpoints").glob("*")):
+        with contextlib.suppress(OSError):
+            times.append(path.stat().st_mtime)
+    return max(times)
+
+
+def summarize_run(run_dir: Path) -> RunSummary:
+    """Status, progress and loss of one run directory, from its files (damaged files are tolerated)."""
+    config = _read_config(run_dir / "config.yaml")
+    records = _read_records(run_dir / "metrics.jsonl")
+    rounds = [r for r in records if r.get("kind") == "round"]
+    final = next((r for r in reversed(records) if r.get("kind") == "final"), None)
+    last = rounds[-1] if rounds else {}
+    method = config.get("method") if isinstance(config.get("method"), str) else None
+    total = config.get("total_tokens") if isinstance(config.get("total_tokens"), int) else None
+    tokens = last.get("tokens") if isinstance(last.get("tokens"), int) else None
+    done_rounds = last["round"] + 1 if isinstance(last.get("round"), int) else None
+    val_loss = None
+    if final is not None:
+        best = final.get("best_trainer")
+        losses = final.get("val_loss") if isinstance(final.get("val_loss"), dict) else {}
+        val_loss = _finite(losses.get(str(best))) if best is not None else None
+        val_loss = val_loss if val_loss is not None else _best_loss(losses)
+        tokens = final.get("tokens", tokens)
+        done_rounds = final.get("rounds", done_rounds)
+    else:
+        evaluated = [r for r in rounds if _best_loss(r.get("val_loss")) is not None]
+        val_loss = _best_loss(evaluated[-1]["val_loss"]) if evaluated else None
+
+    save_final = (config.get("run") or {}).get("save_final", True) if isinstance(config.get("run"), dict) else True
+    marker: dict[str, Any] | None = None
+    if (run_dir / RUNNING_FILE).exists():
+        try:
+            marker = json.loads((run_dir / RUNNING_FILE).read_text())
+            marker = marker if isinstance(marker, dict) else {}
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            marker = {}  # unreadable: treated as a stale marker
+    error = None
+    checkpoints = _checkpoint_rounds(run_dir)
+    if final is not None and ((run_dir / "final").is_dir() or not save_final):
+        status = "finished"
+    elif marker is not None and _alive(marker):
+        status = "running"
+    elif (run_dir / FAILED_FILE).exists():
+        status = "failed"
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            error = (run_dir / FAILED_FILE).read_text().strip() or None
+    elif checkpoints:
+        status = f"stopped at round {checkpoints[-1] + 1}"
+    else:
+        status = "failed"
+        error = "stopped before its first checkpoint"
+    return RunSummary(
+        name=run_dir.name,
+        path=str(run_dir),
+        method=method,
+        status=status,
+        tokens=tokens,
+        total_tokens=total,
+        rounds=done_rounds,
+        val_loss=val_loss,
+        modified=_modified(run_dir),
+        error=error,
+    )
+
+
+def _is_run_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / "config.yaml").exists() or (path / "metrics.jsonl").exists())
+
+
+def find_runs(root: Path) -> list[RunSummary]:
+    """Every run directory directly under ``root`` (or ``root`` itself if it is one), newest first."""
+    if not root.exists():
+        raise CheckpointError(f"runs folder '{root}' does not exist")
+    if not root.is_dir():
+        raise CheckpointError(f"'{root}' is not a folder of runs")
+    if _is_run_dir(root):
+        candidates = [root]
+    else:
+        candidates = [p for p in root.iterdir() if not p.name.startswith(".") and _is_run_dir(p)]
+    return sorted((summarize_run(p) for p in candidates), key=lambda s: s.modified, reverse=True)
+
+
+def _count(n: int) -> str:
+    if n < 10_000:
+        return f"{n:,}"
+    return f"{n / 1e3:.0f}k" if n < 1_000_000 else f"{n / 1e6:.2f}M"
+
+
+def _tokens_text(run: RunSummary) -> str:
+    if run.tokens is None:
+        return "-" if run.total_tokens is None else f"0/{_count(run.total_tokens)}"
+    if not run.total_tokens:
+        return _count(run.tokens)
+    return f"{_count(run.tokens)}/{_count(run.total_tokens)}"
+
+
+def runs_table(runs: list[RunSummary], root: Path) -> Any:
+    """A rich table of ``runs``."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"runs under {root}", title_justify="left", box=box.SIMPLE_HEAD)
+    for column, justify in (
+        ("run", "left"),
+        ("method", "left"),
+        ("status", "left"),
+        ("tokens", "right"),
+        ("rounds", "right"),
+        ("val loss", "right"),
+        ("modified", "left"),
+    ):
+        # only the name and status may fold: the figures stay whole on a narrow terminal
+        folds = column in ("run", "status")
+        table.add_column(column, justify=justify, no_wrap=not folds, overflow="fold", min_width=12 if folds else None)
+    colours = {"finished": "green", "running": "cyan", "failed": "red"}
+    for run in runs:
+        status = run.status + (f" ({run.error})" if run.error and run.status == "failed" else "")
+        table.add_row(
+            Text(run.name),  # Text, not markup: names and errors may hold brackets
+            run.method or "?",
+            Text(status, style=colours.get(run.status, "yellow")),
+            _tokens_text(run),
+            "-" if run.rounds is None else str(run.rounds),
+            "-" if run.val_loss is None else f"{run.val_loss:.4f}",
+            datetime.fromtimestamp(run.modified).strftime("%m-%d %H:%M"),
+        )
+    return table

@@ -1,0 +1,48 @@
+"""metrics.jsonl writer (resume truncation, tracker fan-out) and the memory report."""
+
+from adloco import metrics
+from adloco.metrics import MetricsWriter, memory_snapshot, read_metrics
+
+
+def test_memory_snapshot_reads_resident_and_peak_memory():
+    before = memory_snapshot()
+    block = bytearray(64 * 2**20)  # 64 MiB, touched so that it is resident
+    block[::4096] = b"x" * len(block[::4096])
+    after = memory_snapshot()
+    assert 10 < before["rss_mib"] <= before["peak_rss_mib"] + 1e-6
+    assert after["rss_mib"] >= before["rss_mib"] + 48 and after["peak_rss_mib"] >= after["rss_mib"] - 1e-6
+    assert "cuda_allocated_mib" not in after  # CPU: no device figures
+    del block
+
+
+def test_memory_snapshot_without_proc_falls_back_to_getrusage(monkeypatch):
+    monkeypatch.setattr(metrics, "_proc_status_kib", lambda *keys: {})
+    snapshot = memory_snapshot()
+    assert snapshot["rss_mib"] is None and snapshot["peak_rss_mib"] > 10
+
+
+class _Collect:
+    def __init__(self):
+        self.seen = []
+
+    def record(self, kind, fields, step):
+        self.seen.append((kind, fields.get("round"), step))
+
+    def flush(self):
+        pass
+
+    def close(self):
+        self.seen.append(("closed", None, None))
+
+
+def test_writer_fans_out_and_drops_records_after_the_resume_round(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tracker = _Collect()
+    writer = MetricsWriter(path, trackers=[tracker])
+    for r in range(3):
+        writer.write("round", round=r, step=4 * (r + 1), val_loss=float("nan"))
+    writer.close()
+    assert tracker.seen == [("round", 0, 4), ("round", 1, 8), ("round", 2, 12), ("closed", None, None)]
+    assert read_metrics(path)[0]["val_loss"] == "nan"  # non-finite values stay valid JSON
+    MetricsWriter(path, resume_round=0).close()
+    assert [r["round"] for r in read_metrics(path)] == [0]

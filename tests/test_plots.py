@@ -1,0 +1,72 @@
+"""plots.py on hand-written metrics: merges marked, memory plotted, runs without either still plotted."""
+
+import json
+
+import pytest
+
+from adloco.checkpoint import CheckpointError
+from adloco.plots import plot_run
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _write(run_dir, merges: bool, memory: bool, cuda: bool = False) -> None:
+    lines = []
+    for r in range(6):
+        record = {
+            "kind": "round",
+            "round": r,
+            "step": 4 * (r + 1),
+            "tokens": 256 * (r + 1),
+            "bytes_total": 1000 * (r + 1),
+            "train_loss": {"0": 5.0 - 0.3 * r, "1": 5.1 - 0.3 * r} if r < 3 else {"0": 4.0 - 0.1 * r},
+            "val_loss": {"0": 5.0 - 0.25 * r} if r % 2 else None,
+            "batch": {"0": 2 + r, "1": 3} if r < 3 else {"0": 6},
+        }
+        if memory:
+            record["memory"] = [
+                {"rank": k, "rss_mib": 300.0 + 10 * r + k, "peak_rss_mib": 320.0 + 10 * r} for k in (0, 1)
+            ]
+            if cuda:
+                for entry in record["memory"]:
+                    entry.update(cuda_allocated_mib=50.0 + r, cuda_peak_allocated_mib=80.0 + r)
+        lines.append(record)
+        if merges and r == 2:
+            lines.append({"kind": "merge", "round": 2, "merged": [0, 1], "into": 0, "weights": [0.5, 0.5]})
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_plots_with_merges_and_memory(tmp_path):
+    _write(tmp_path / "a", merges=True, memory=True)
+    _write(tmp_path / "b", merges=False, memory=True)
+    paths = plot_run(tmp_path / "a")
+    assert [p.name for p in paths] == ["loss.png", "batch.png", "memory.png"]
+    assert all(p.read_bytes()[:8] == PNG and p.stat().st_size > 5000 for p in paths)
+    plain = plot_run(tmp_path / "b")
+    # the merge markers change the loss and batch pictures; memory.png shows them too
+    for with_merge, without in zip(paths, plain, strict=True):
+        assert with_merge.read_bytes() != without.read_bytes()
+
+
+def test_cuda_memory_gets_its_own_panel(tmp_path):
+    _write(tmp_path / "cpu", merges=False, memory=True)
+    _write(tmp_path / "gpu", merges=False, memory=True, cuda=True)
+    from PIL import Image
+
+    cpu = Image.open(plot_run(tmp_path / "cpu")[2])
+    gpu = Image.open(plot_run(tmp_path / "gpu")[2])
+    assert gpu.size[0] > cpu.size[0] * 1.5  # two panels side by side
+
+
+def test_a_run_without_merges_or_memory_still_plots(tmp_path):
+    _write(tmp_path / "old", merges=False, memory=False)
+    paths = plot_run(tmp_path / "old")
+    assert [p.name for p in paths] == ["loss.png", "batch.png"]
+    assert all(p.stat().st_size > 5000 for p in paths)
+    assert not (tmp_path / "old" / "plots" / "memory.png").exists()
+
+
+def test_a_folder_without_metrics_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no metrics.jsonl"):
+        plot_run(tmp_path)

@@ -1,15 +1,9 @@
 import json
 import logging
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from adloco.checkpoint import (
     MANIFEST,
@@ -21,7 +15,8 @@ from adloco.checkpoint import (
 )
 from adloco.config import build_config
 from adloco.training import train
-from tests.conftest import FAST
+from benchmarks.reliability import kill_9_trial
+from tests.conftest import FAST, final_params
 
 
 def _save_rounds(directory, rounds, keep=3):
@@ -78,35 +73,13 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         train(other, resume=tmp_path / "a")
 
 
-def _params(run_dir):
-    return load_file(run_dir / "final" / "model.safetensors")
-
-
 def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
     """A real process killed with SIGKILL mid-run; --resume must end exactly where an uninterrupted run ends."""
     overrides = [*FAST, "total_tokens=6144", "checkpoint.every=1", "checkpoint.keep=2", "threads=1"]
     reference = train(build_config(overrides=[*overrides, f"run.root={tmp_path}", "run.name=reference"]))
-    rng = random.Random(0)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for trial in range(2):
-        name = f"killed{trial}"
-        command = [sys.executable, "-m", "adloco", "train", *overrides, f"run.root={tmp_path}", f"run.name={name}"]
-        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        checkpoints = tmp_path / name / "checkpoints"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not list_checkpoints(checkpoints):
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 1.5))
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL, "the run ended before it could be killed"
-        resumed = subprocess.run(
-            [sys.executable, "-m", "adloco", "train", "--resume", str(tmp_path / name)],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert resumed.returncode == 0, resumed.stderr[-2000:]
-        expected, got = _params(reference.run_dir), _params(tmp_path / name)
-        assert all(torch.equal(expected[k], got[k]) for k in expected), f"trial {trial}"
+    expected, rng = final_params(reference.run_dir), random.Random(0)
+    for trial in range(2):  # benchmarks/reliability.py runs twenty trials
+        result = kill_9_trial(tmp_path, overrides, f"killed{trial}", rng.uniform(0.0, 1.5), expected)
+        assert result["killed"], "the run ended before it could be killed"
+        assert result["resume_exit_code"] == 0, result["resume_stderr_tail"]
+        assert result["bit_identical"], f"trial {trial}"

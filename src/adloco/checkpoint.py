@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -23,15 +25,36 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used, reported as one line."""
 
 
+class StorageError(RuntimeError):
+    """A write into the run directory failed mid-run (full disk, read-only file system): one line, exit code 1."""
+
+
+def write_failure(error: OSError, what: str, path: Path | str) -> StorageError:
+    """``error`` at a write of ``what`` as one line naming the write, e.g. "no space left on device while ..."."""
+    reason = error.strerror or (os.strerror(error.errno) if error.errno else str(error)) or type(error).__name__
+    reason = reason[:1].lower() + reason[1:]
+    hint = "; free some space and continue with --resume RUN_DIR" if error.errno == errno.ENOSPC else ""
+    return StorageError(f"{reason} while writing {what} '{path}'{hint}")
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` so that ``path`` holds either the old or the new content, never a torn file."""
+    """Write ``data`` so that ``path`` holds either the old or the new content, never a torn file.
+
+    On a failed write (full disk, read-only file system) the OSError propagates, the old content stays and
+    the partial temporary file is removed so that it does not keep holding the space.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # never hide the write's own error
+            tmp.unlink(missing_ok=True)
+        raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)
@@ -50,9 +73,11 @@ def read_manifest(directory: Path) -> list[dict[str, Any]]:
     """Checkpoint entries (file, round, bytes, sha256), oldest first; empty if there is no readable manifest."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
-        return list(manifest["checkpoints"])
+        entries = list(manifest["checkpoints"])
     except (OSError, ValueError, KeyError, TypeError):
         return []
+    # A hand-edited or damaged manifest may hold anything; entries that name no checkpoint file are ignored.
+    return [e for e in entries if isinstance(e, dict) and isinstance(e.get("file"), str) and _NAME.match(e["file"])]
 
 
 def save_checkpoint(directory: Path, round_index: int, state: dict[str, Any], keep: int) -> Path:
@@ -65,17 +90,26 @@ def save_checkpoint(directory: Path, round_index: int, state: dict[str, Any], ke
     torch.save({"format_version": FORMAT_VERSION, "round": round_index, **state}, buffer)
     data = buffer.getvalue()
     path = directory / f"round_{round_index:06d}.pt"
-    atomic_write_bytes(path, data)
+    try:
+        atomic_write_bytes(path, data)
+    except OSError as error:
+        raise write_failure(error, "checkpoint", path) from None
     entries = [e for e in read_manifest(directory) if e.get("file") != path.name and (directory / e["file"]).exists()]
     entries.append({"file": path.name, "round": round_index, "bytes": len(data), "sha256": _sha256(data)})
     kept, dropped = entries[-keep:], entries[:-keep]
     manifest = {"format_version": FORMAT_VERSION, "checkpoints": kept}
-    atomic_write_bytes(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    try:
+        atomic_write_bytes(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    except OSError as error:  # the previous manifest stays: it names only checkpoints that are complete
+        raise write_failure(error, "checkpoint manifest", directory / MANIFEST) from None
     names = {e["file"] for e in kept}
     for old in [directory / e["file"] for e in dropped] + [
         p for p in list_checkpoints(directory) if p.name not in names
     ]:
-        old.unlink(missing_ok=True)
+        try:
+            old.unlink(missing_ok=True)
+        except OSError as error:  # the new checkpoint is safe; an old one left behind costs only space
+            log.warning("could not remove old checkpoint %s: %s", old.name, error.strerror)
     return path
 
 
@@ -86,8 +120,12 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
 
 
-def load_checkpoint(path: Path, sha256: str | None = None) -> dict[str, Any]:
-    """Load and check one checkpoint; with ``sha256`` the file must match the manifest's checksum."""
+def load_checkpoint(path: Path, sha256: str | None = None, training: bool = False) -> dict[str, Any]:
+    """Load and check one checkpoint; with ``sha256`` the file must match the manifest's checksum.
+
+    With ``training`` the top level must also have the shape a training run writes (trainers, workers,
+    counters), so a foreign torch file is refused here rather than failing half-way through a resume.
+    """
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -106,12 +144,32 @@ def load_checkpoint(path: Path, sha256: str | None = None) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint '{path}' is not an adloco checkpoint")
     if state["format_version"] != FORMAT_VERSION:
         raise CheckpointError(
-            f"checkpoint '{path}' has format version {state['format_version']}, this adloco reads {FORMAT_VERSION}"
+            f"checkpoint '{path}' has format version {state['format_version']!r}, this adloco reads {FORMAT_VERSION}"
         )
+    problem = _shape_problem(state) if training else ""
+    if problem:
+        raise CheckpointError(f"checkpoint '{path}' is not an adloco training checkpoint ({problem})")
     return state
 
 
-def latest_checkpoint(directory: Path) -> dict[str, Any] | None:
+_COUNTERS = ("round", "tokens", "step", "bytes")
+
+
+def _shape_problem(state: dict[str, Any]) -> str:
+    """What is missing from a loaded checkpoint's top level ('' when it has the shape training writes)."""
+    if not isinstance(state.get("round"), int):
+        return "no round number"
+    cluster, counters = state.get("cluster"), state.get("counters")
+    if not isinstance(cluster, dict) or not isinstance(cluster.get("trainers"), dict) or not cluster["trainers"]:
+        return "no trainer state"
+    if not isinstance(cluster.get("workers"), dict):
+        return "no worker state"
+    if not isinstance(counters, dict) or not all(isinstance(counters.get(key), int) for key in _COUNTERS):
+        return "no progress counters"
+    return ""
+
+
+def latest_checkpoint(directory: Path, training: bool = False) -> dict[str, Any] | None:
     """The newest usable checkpoint; a damaged one is reported and the one before it is used."""
     entries = read_manifest(directory)
     candidates = [(directory / e["file"], e.get("sha256")) for e in entries]
@@ -123,11 +181,13 @@ def latest_checkpoint(directory: Path) -> dict[str, Any] | None:
     problems = []
     for path, sha256 in reversed(candidates):
         try:
-            state = load_checkpoint(path, sha256)
+            state = load_checkpoint(path, sha256, training)
         except CheckpointError as error:
             problems.append(str(error))
-            log.warning("%s; trying the previous checkpoint", error)
             continue
+        # Reported only when a checkpoint is used: when none is, the error below says it all in one line.
+        for problem in problems:
+            log.warning("%s; using an older checkpoint", problem)
         if problems:
             log.warning("resuming from %s, the newest intact checkpoint", path.name)
         return state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -19,7 +20,53 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def launched_by_torchrun() -> bool:
+    """True under torchrun, or when RANK and WORLD_SIZE are set by hand."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def _int_env(name: str) -> int:
+    try:
+        return max(0, int(os.environ.get(name, "0")))
+    except ValueError:
+        return 0
+
+
+def restart_attempt() -> int:
+    """How often torchrun has restarted this job's workers so far (0: the first attempt, or no torchrun)."""
+    return _int_env("TORCHELASTIC_RESTART_COUNT")
+
+
+def max_restarts() -> int:
+    """torchrun's ``--max-restarts`` for this job (0 without torchrun)."""
+    return _int_env("TORCHELASTIC_MAX_RESTARTS")
+
+
+def job_key() -> str | None:
+    """A file-name-safe name of this torchrun job that every attempt of the job shares; None without torchrun.
+
+    torchrun keeps ``TORCHELASTIC_RUN_ID`` across restarts (``--rdzv-id``; a fresh UUID with ``--standalone``).
+    Its default is the literal ``none``; master address and port, also fixed for the job, tell such jobs apart.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return None
+    if run_id in ("", "none"):
+        run_id = f"none_{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}"
+    return re.sub(r"[^A-Za-z0-9_-]", "_", run_id)
+
+
+def _init_process_group(backend: str, timeout: timedelta) -> None:
+    """``init_process_group`` over torchrun's store, with this attempt's keys kept apart from earlier attempts'.
+
+    torchrun's agent hosts one TCPStore for the whole job and hands the same one to every restarted attempt
+    (``TORCHELASTIC_USE_AGENT_STORE``). Its keys outlive the workers that wrote them: a restarted rank would
+    read a dead rank's gloo address from the first attempt and fail with "connection refused". A prefix per
+    attempt gives every attempt a clean namespace (subgroups too, as they share the default group's store).
+    """
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(f"adloco/attempt_{restart_attempt()}", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -50,7 +97,7 @@ class DistributedCommunicator(ScalarMeans):
             # gloo otherwise listens on the interface the hostname resolves to; keep a loopback job on loopback.
             if os.environ.get("MASTER_ADDR", "127.0.0.1") in _LOOPBACK:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+            _init_process_group(backend, timedelta(seconds=timeout_s))
         self.backend = backend
         self.reduce = reduce
         self.rank = dist.get_rank()
@@ -116,7 +163,10 @@ class DistributedCommunicator(ScalarMeans):
             future = work.get_future()
             sent = local.numel() * local.element_size()
 
-        def unpack(_: Any) -> list[list[torch.Tensor]]:
+        def unpack(done: Future) -> list[list[torch.Tensor]]:
+            # A callback runs even when the collective failed (a peer died); wait() raises that error here
+            # instead of handing on the uninitialised output buffers as if they were the peers' values.
+            done.wait()
             by_worker = {}
             for rank, gathered in zip(ranks, outputs, strict=True):
                 for row, worker in enumerate(hosted_by[rank]):
@@ -156,7 +206,8 @@ class DistributedCommunicator(ScalarMeans):
             future = dist.all_reduce(flat, group=self._group(ordered), async_op=True).get_future()
             sent = 2 * flat.numel() * flat.element_size()
 
-        def finish(_: Any) -> list[torch.Tensor]:
+        def finish(done: Future) -> list[torch.Tensor]:
+            done.wait()  # re-raise a failed all-reduce rather than return a half-reduced buffer
             self._timed(start, sent, payload)
             return [t.div_(divisor or len(ordered)) for t in _unflatten(flat.cpu(), like)]
 

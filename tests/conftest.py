@@ -1,4 +1,19 @@
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
+import torch
+from safetensors.torch import load_file
+
+from adloco.checkpoint import list_checkpoints
+
+# Tests never reach the hub: `datasets` and `transformers` read these when first imported, and this file is
+# imported before any test module; the dataset cache stays out of the user's home.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(tempfile.gettempdir(), "adloco-test-datasets-cache"))
 
 # A run small enough for the test suite: tiny LLaMA at context 16, two workers, a few rounds.
 FAST = [
@@ -19,3 +34,22 @@ FAST = [
 @pytest.fixture
 def fast_overrides(tmp_path):
     return [*FAST, f"run.root={tmp_path / 'runs'}"]
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The exported parameters of a finished run."""
+    return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
+
+
+def same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bit-for-bit equality of two parameter dicts."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def cut_back(run_dir: Path, dest: Path, keep: int) -> Path:
+    """A copy of a finished run as a crash would have left it: no export, only its first ``keep`` checkpoints."""
+    shutil.copytree(run_dir, dest)
+    shutil.rmtree(dest / "final")
+    for path in list_checkpoints(dest / "checkpoints")[keep:]:
+        path.unlink()
+    return dest

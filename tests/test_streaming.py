@@ -1,26 +1,15 @@
 """Streaming DiLoCo and quantized exchange in the engine (DESIGN §5 vectors 7 and 8, end to end)."""
 
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from adloco.checkpoint import list_checkpoints
 from adloco.config import ConfigError, build_config
 from adloco.metrics import read_metrics
 from adloco.model import build_model, preset_config
 from adloco.training import train
+from tests.conftest import cut_back, final_params, same_params
 
 STREAM = ["method=streaming", "sync_every=4", "streaming.fragments=2", "streaming.overlap=1", "total_tokens=1024"]
-
-
-def _params(run_dir):
-    return load_file(run_dir / "final" / "model.safetensors")
-
-
-def _same(a, b):
-    return all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _rounds(run_dir):
@@ -40,13 +29,13 @@ def test_one_fragment_no_overlap_no_mixing_is_diloco(fast_overrides):
             ]
         )
     )
-    assert _same(_params(diloco.run_dir), _params(streaming.run_dir))
+    assert same_params(final_params(diloco.run_dir), final_params(streaming.run_dir))
 
 
 def test_fp32_codec_is_bit_equal_to_no_codec(fast_overrides):
     plain = train(build_config(overrides=[*fast_overrides, "method=diloco"]))
     coded = train(build_config(overrides=[*fast_overrides, "method=diloco", "codec.name=fp32"]))
-    assert _same(_params(plain.run_dir), _params(coded.run_dir))
+    assert same_params(final_params(plain.run_dir), final_params(coded.run_dir))
 
 
 def test_a_fragment_sync_changes_only_that_fragment(fast_overrides):
@@ -55,7 +44,7 @@ def test_a_fragment_sync_changes_only_that_fragment(fast_overrides):
     result = train(config)
     init = build_model(preset_config("tiny", 256, 16), config.seed)
     names = [n for n, _ in init.named_parameters()]
-    final = _params(result.run_dir)
+    final = final_params(result.run_dir)
     blocks = {n: (int(n.split(".")[2]) if ".layers." in n else None) for n in names}
     init_params = dict(init.named_parameters())
     for name in names:
@@ -71,7 +60,7 @@ def test_streaming_with_each_codec(codec, fast_overrides):
     result = train(build_config(overrides=[*fast_overrides, *STREAM, f"codec.name={codec}"]))
     assert result.val_loss < 5.3
     rounds = _rounds(result.run_dir)
-    params = sum(t.numel() for t in _params(result.run_dir).values())
+    params = sum(t.numel() for t in final_params(result.run_dir).values())
     bits = {"bf16": 16, "fp16": 16, "int8": 8, "fp8-e4m3": 8, "fp4-e2m1": 4, "fp4-e3m0": 4}[codec]
     full_fp32 = 2 * 4 * params  # both workers, whole model, float32
     sent = rounds[1]["bytes"]  # a full round: each fragment synced once
@@ -86,7 +75,7 @@ def test_peak_bytes_per_sync_is_one_fragment(fast_overrides):
     )
     diloco = train(build_config(overrides=[*fast_overrides, "method=diloco"]))
     peak, full = _rounds(streaming.run_dir)[-1]["peak_sync_bytes"], _rounds(diloco.run_dir)[-1]["peak_sync_bytes"]
-    params = sum(t.numel() for t in _params(diloco.run_dir).values())
+    params = sum(t.numel() for t in final_params(diloco.run_dir).values())
     assert full == 2 * 4 * params
     # own: embeddings+head form fragment 0; the 4 blocks split 2/2 over fragments 1 and 2
     assert peak < 0.5 * full
@@ -104,13 +93,9 @@ def test_resume_with_an_exchange_in_flight_is_bit_identical(fast_overrides, tmp_
         ]
     )
     full = train(config)
-    partial = tmp_path / "partial"
-    shutil.copytree(full.run_dir, partial)
-    shutil.rmtree(partial / "final")
-    for path in list_checkpoints(partial / "checkpoints")[1:]:
-        path.unlink()
+    partial = cut_back(full.run_dir, tmp_path / "partial", keep=1)
     train(config, resume=partial)
-    assert _same(_params(full.run_dir), _params(partial))
+    assert same_params(final_params(full.run_dir), final_params(partial))
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,11 @@
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from adloco.checkpoint import list_checkpoints
 from adloco.config import build_config
 from adloco.metrics import read_metrics
 from adloco.training import train
-
-
-def _final_params(run_dir):
-    return load_file(run_dir / "final" / "model.safetensors")
+from tests.conftest import cut_back, final_params
 
 
 @pytest.mark.parametrize("method", ["ddp", "localsgd", "diloco", "adloco"])
@@ -32,7 +26,7 @@ def test_each_method_runs_end_to_end(method, fast_overrides):
 def test_bytes_counted_from_reduced_tensors(fast_overrides):
     diloco = train(build_config(overrides=[*fast_overrides, "method=diloco", "total_tokens=256"]))
     ddp = train(build_config(overrides=[*fast_overrides, "method=ddp", "total_tokens=256"]))
-    params = sum(t.numel() for t in _final_params(diloco.run_dir).values())
+    params = sum(t.numel() for t in final_params(diloco.run_dir).values())
     diloco_rounds = [r for r in read_metrics(diloco.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     ddp_rounds = [r for r in read_metrics(ddp.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     # 2 workers each send one fp32 pseudo-gradient per round, plus three float64 scalars (loss, tokens,
@@ -48,7 +42,7 @@ def test_same_seed_same_numbers_and_other_seed_differs(fast_overrides):
     a = train(build_config(overrides=[*fast_overrides, "total_tokens=256"]))
     b = train(build_config(overrides=[*fast_overrides, "total_tokens=256"]))
     c = train(build_config(overrides=[*fast_overrides, "total_tokens=256", "seed=1"]))
-    pa, pb, pc = _final_params(a.run_dir), _final_params(b.run_dir), _final_params(c.run_dir)
+    pa, pb, pc = final_params(a.run_dir), final_params(b.run_dir), final_params(c.run_dir)
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     assert not all(torch.equal(pa[k], pc[k]) for k in pa)
 
@@ -66,13 +60,9 @@ def test_resume_from_a_mid_run_checkpoint_is_bit_identical(method, fast_override
     checkpoints = list_checkpoints(full.run_dir / "checkpoints")
     assert len(checkpoints) >= 4
     # A copy of the run as it was on disk after round 2, as if the process had died then.
-    partial = tmp_path / "partial"
-    shutil.copytree(full.run_dir, partial)
-    shutil.rmtree(partial / "final")
-    for path in list_checkpoints(partial / "checkpoints")[2:]:
-        path.unlink()
+    partial = cut_back(full.run_dir, tmp_path / "partial", keep=2)
     resumed = train(config, resume=partial)
-    expected, got = _final_params(full.run_dir), _final_params(partial)
+    expected, got = final_params(full.run_dir), final_params(partial)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     assert resumed.val_loss == full.val_loss and resumed.tokens == full.tokens
     full_rounds = [r for r in read_metrics(full.run_dir / "metrics.jsonl") if r["kind"] == "round"]
@@ -85,7 +75,7 @@ def test_one_worker_diloco_localsgd_is_plain_adamw(fast_overrides):
     """With a single worker LocalSGD's outer step copies the worker: training equals a plain AdamW loop."""
     a = train(build_config(overrides=[*fast_overrides, "method=localsgd", "workers=1", "total_tokens=256"]))
     b = train(build_config(overrides=[*fast_overrides, "method=ddp", "workers=1", "total_tokens=256"]))
-    pa, pb = _final_params(a.run_dir), _final_params(b.run_dir)
+    pa, pb = final_params(a.run_dir), final_params(b.run_dir)
     assert all(torch.allclose(pa[k], pb[k], atol=1e-6) for k in pa)
 
 
@@ -141,5 +131,5 @@ def test_adloco_variants_run_and_log_their_statistics(variant, fast_overrides):
         assert any(r["kind"] == "merge" for r in records)
     if "batch.estimator=cross_worker" in variant:
         # the paper's estimator gathers each worker's full gradient: far more than scalars travel
-        params = sum(t.numel() for t in _final_params(result.run_dir).values())
+        params = sum(t.numel() for t in final_params(result.run_dir).values())
         assert rounds[0]["bytes"] > 2 * 2 * 4 * params * 2 - 1

@@ -13,9 +13,14 @@ from adloco import __version__
 EXIT_USAGE = 2
 
 
+def _one_line(message: object) -> str:
+    """An error message on one line even when it quotes user input holding line breaks."""
+    return str(message).replace("\r", "\\r").replace("\n", "\\n")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line and exit 2, as for every bad input
-        self.exit(EXIT_USAGE, f"adloco: error: {message}\n")
+        self.exit(EXIT_USAGE, f"adloco: error: {_one_line(message)}\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +46,35 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0)
     plot = commands.add_parser("plot", help="write PNG plots of a run (loss vs tokens, rounds, bytes; b per trainer)")
     plot.add_argument("run_dir", metavar="RUN_DIR")
+    runs = commands.add_parser("runs", help="list the runs under a folder: method, status, tokens, rounds, val loss")
+    runs.add_argument("root", metavar="ROOT", nargs="?", default="runs", help="folder of run directories (runs)")
+    runs.add_argument("--json", action="store_true", help="one JSON object per run and line instead of a table")
+    gradients = commands.add_parser(
+        "gradients", help="gradient noise of a run: tr Cov, noise scale, batch-gradient deviation vs batch size"
+    )
+    gradients.add_argument("run_dir", metavar="RUN_DIR")
+    gradients.add_argument(
+        "--checkpoint", default=None, help="'final' (default when exported), 'latest' or a checkpoint round number"
+    )
+    gradients.add_argument("--trainer", type=int, default=None, help="trainer of a checkpoint (default: best/first)")
+    gradients.add_argument("--samples", type=int, default=128, help="training windows N (default 128)")
+    gradients.add_argument(
+        "--batch-sizes", default=None, help="comma-separated B (default 1,2,4,8,16,32, those <= --samples)"
+    )
+    gradients.add_argument("--repeats", type=int, default=1000, help="random batches per B (default 1000)")
+    gradients.add_argument("--seed", type=int, default=0, help="seed of the windows and batches (default 0)")
+    gradients.add_argument("--out", default=None, help="output folder (default RUN_DIR/gradients)")
+    gradients.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the run's)")
+    estimate = commands.add_parser(
+        "estimate", help="predict the rounds a run needs to reach a target loss from its gradient statistics"
+    )
+    estimate.add_argument("run_dir", metavar="RUN_DIR")
+    estimate.add_argument("--target", type=float, required=True, metavar="LOSS", help="training loss to reach")
+    estimate.add_argument(
+        "--calibrate-rounds", type=int, default=None, metavar="N", help="rounds to calibrate on (default: first 20%%)"
+    )
+    estimate.add_argument("--trainer", type=int, default=None, help="trainer to follow (default: the final best)")
+    estimate.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return parser
 
 
@@ -66,15 +100,22 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, load_config)
         if args.command in ("eval", "sample", "plot"):
             return _use_run(args)
+        if args.command == "gradients":
+            return _gradients(args)
+        if args.command == "runs":
+            return _runs(args)
+        if args.command == "estimate":
+            return _estimate(args)
     except (ConfigError, DataError, CheckpointError) as error:
-        print(f"adloco: error: {error}", file=sys.stderr)
+        print(f"adloco: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
     except RuntimeError as error:
+        from adloco.checkpoint import StorageError
         from adloco.comm.distributed import launched_by_torchrun
         from adloco.training import NonFiniteError
 
-        if isinstance(error, NonFiniteError):
-            print(f"adloco: error: {error}", file=sys.stderr)
+        if isinstance(error, NonFiniteError | StorageError):  # runtime failures: exit code 1
+            print(f"adloco: error: {_one_line(error)}", file=sys.stderr)
             return 1
 
         if not launched_by_torchrun():
@@ -82,9 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         # A dead or hung peer surfaces as a failed or timed-out collective; say so instead of a traceback.
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         rank = os.environ.get("RANK", "?")
+        from adloco.comm.distributed import max_restarts, restart_attempt
+
+        then = (
+            "torchrun restarts the job, which resumes from the last checkpoint by itself"
+            if restart_attempt() < max_restarts()
+            else "the job stops here; resume with --resume RUN_DIR from the last checkpoint"
+        )
         print(
-            f"adloco: error: rank {rank} lost contact with the other ranks ({first_line[:200]}); "
-            "the job stops here; resume with --resume RUN_DIR from the last checkpoint",
+            f"adloco: error: rank {rank} lost contact with the other ranks ({first_line[:200]}); {then}",
             file=sys.stderr,
         )
         return 1
@@ -94,9 +141,40 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _runs(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from adloco.runs import find_runs, runs_table
+
+    root = Path(args.root)
+    runs = find_runs(root)
+    if args.json:
+        for run in runs:
+            print(json.dumps(run.to_json()))
+    elif runs:
+        console = Console()
+        # piped output has no width to fit: print whole rows instead of rich's default 80 columns
+        Console(width=max(console.width, 200) if not console.is_terminal else None).print(runs_table(runs, root))
+    else:
+        print(f"no runs under {root}")
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    import json
+
+    from adloco.estimate import estimate, format_estimate
+
+    result = estimate(Path(args.run_dir), args.target, args.calibrate_rounds, args.trainer)
+    print(json.dumps(result) if args.json else format_estimate(result))
+    return 0
+
+
 def _use_run(args: argparse.Namespace) -> int:
     from adloco.checkpoint import CheckpointError
-    from adloco.inference import evaluate_run, sample
+    from adloco.inference import evaluate_final, sample
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -108,10 +186,34 @@ def _use_run(args: argparse.Namespace) -> int:
             print(path)
         return 0
     if args.command == "eval":
-        loss, tokens = evaluate_run(run_dir)
-        print(f"validation loss {loss:.4f} (perplexity {math.exp(loss):.3f}) over {tokens:,} tokens")
+        result = evaluate_final(run_dir)
+        loss, count = result.loss, result.count
+        if result.accuracy is None:
+            print(f"validation loss {loss:.4f} (perplexity {math.exp(loss):.3f}) over {count:,} tokens")
+        else:
+            print(f"validation loss {loss:.4f}, accuracy {result.accuracy:.4f} over {count:,} samples")
     else:
         print(sample(run_dir, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
+def _gradients(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from adloco.gradients import analyze, parse_batch_sizes, parse_checkpoint, print_report
+
+    report = analyze(
+        Path(args.run_dir),
+        checkpoint=parse_checkpoint(args.checkpoint),
+        trainer=args.trainer,
+        samples=args.samples,
+        batch_sizes=parse_batch_sizes(args.batch_sizes, args.samples),
+        repeats=args.repeats,
+        seed=args.seed,
+        out_dir=Path(args.out) if args.out else None,
+        threads=args.threads,
+    )
+    print_report(report, Console())
     return 0
 
 
@@ -119,17 +221,20 @@ def _train(args: argparse.Namespace, load_config) -> int:
     from rich.console import Console
 
     from adloco.config import ConfigError
-    from adloco.training import resume_config, train
 
     config_file, overrides = _split_items(args.items)
-    if args.resume:
+    if args.resume is not None:  # --resume "" is an error below, not a fresh default run
         if config_file or overrides:
             raise ConfigError("--resume continues a run with its own config; give no config file or overrides")
+        from adloco.training import resume_config
+
         run_dir = Path(args.resume)
         config = resume_config(run_dir)
     else:
         run_dir = None
-        config = load_config(config_file, overrides)
+        config = load_config(config_file, overrides)  # before the heavy imports: a typo fails in a second or two
+    from adloco.training import train
+
     console = Console(stderr=True)
     result = train(config, resume=run_dir, console=console)
     if os.environ.get("RANK", "0") != "0":
@@ -139,6 +244,8 @@ def _train(args: argparse.Namespace, load_config) -> int:
         f"final validation loss {result.val_loss:.4f} (perplexity {result.perplexity:.3f}) "
         f"after {result.tokens:,} tokens, {result.rounds} rounds, {result.seconds:.1f} s"
     )
+    if result.accuracy is not None:
+        print(f"final validation accuracy {result.accuracy:.4f}")
     return 0
 
 

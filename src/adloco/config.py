@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from adloco.algorithms.fragments import validate_schedule
 
@@ -17,20 +17,58 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    # NaN/inf are never meaningful settings (an infinite timeout overflows timedelta, an infinite lr trains NaN).
+    model_config = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
-    preset: Literal["tiny", "small", "medium", "micro-llama-300m"] = Field(
-        "tiny", description="LLaMA preset built offline with random init (sizes in the README)."
+    preset: Literal["tiny", "small", "medium", "micro-llama-300m", "tiny-bert", "small-bert"] | None = Field(
+        None,
+        description="Preset built offline with random init: LLaMA (tiny, small, medium, micro-llama-300m) or BERT "
+        "(tiny-bert, small-bert; classification only). Default: tiny, or tiny-bert for task=classification.",
     )
-    context: int | None = Field(None, ge=2, description="Sequence length in tokens; default: the preset's context.")
+    path: str | None = Field(
+        None,
+        description="Instead of a preset: a Hugging Face config JSON file (random init) or a checkpoint "
+        "directory (config.json + weights; every trainer starts from them).",
+    )
+    context: int | None = Field(
+        None, ge=2, description="Sequence length in tokens; default: the preset's context or the model's maximum."
+    )
 
 
 class DataConfig(_Section):
-    dataset: str = Field("tinyshakespeare", description="'tinyshakespeare' (bundled) or a path to a UTF-8 text file.")
-    tokenizer: Literal["byte"] = Field("byte", description="Tokenizer: 'byte' (vocabulary of 256).")
+    dataset: str = Field(
+        "tinyshakespeare",
+        description="'tinyshakespeare' (bundled), a UTF-8 text file, a folder of *.txt/*.md files, a .jsonl or "
+        ".parquet file, or hf:NAME (Hugging Face datasets). See docs/data.md.",
+    )
+    tokenizer: str = Field(
+        "byte",
+        min_length=1,
+        description="'byte' (vocabulary of 256), 'bpe' (byte-level BPE trained on the training split), a local "
+        "Hugging Face tokenizer folder, or hf:NAME.",
+    )
+    vocab_size: int = Field(512, ge=258, le=1_000_000, description="tokenizer=bpe: vocabulary size to train.")
+    bpe_max_chars: int = Field(
+        20_000_000, ge=1, description="tokenizer=bpe: train on at most this many leading training characters."
+    )
+    separator: str = Field("\n\n", description="Text placed between documents (files, rows) when they are joined.")
+    hf_name: str | None = Field(None, description="Hugging Face dataset name or local folder (same as hf:NAME).")
+    hf_config: str | None = Field(None, description="Hugging Face dataset configuration (subset) name.")
+    hf_data_files: str | None = Field(None, description="data_files for datasets.load_dataset (e.g. with hf:json).")
+    split: str = Field("train", description="Hugging Face dataset split to read.")
+    streaming: bool = Field(
+        False, description="Read documents lazily and pack them into windows (corpora larger than memory)."
+    )
+    val_documents: int = Field(128, ge=1, description="streaming: the first N documents are the validation split.")
+    shuffle_buffer: int = Field(64, ge=1, description="streaming: windows each worker draws from at random (1: none).")
     val_fraction: float = Field(0.1, gt=0, lt=1, description="Trailing fraction of the text used for validation.")
+    text_field: str = Field("text", description="Field (jsonl key or csv column) holding the text of a row.")
+    label_field: str = Field("label", description="task=classification: field holding a row's label.")
+    val_dataset: str | None = Field(
+        None, description="task=classification: a separate labelled validation file instead of val_fraction."
+    )
 
 
 class InnerConfig(_Section):
@@ -48,6 +86,11 @@ class OuterConfig(_Section):
     lr: float | None = Field(None, gt=0, description="Outer SGD learning rate (diloco/adloco: 1.0).")
     momentum: float | None = Field(None, ge=0, lt=1, description="Outer momentum (diloco/adloco: 0.5).")
     nesterov: bool | None = Field(None, description="Nesterov outer momentum (diloco/adloco: true).")
+    overlap: Literal["none", "delayed", "eager"] = Field(
+        "none",
+        description="diloco/localsgd: exchange Δ during the next round; 'delayed' applies it a round late, "
+        "'eager' also applies each worker's own fresh share at once (arXiv 2502.12996).",
+    )
 
 
 class BatchConfig(_Section):
@@ -132,7 +175,10 @@ class CommConfig(_Section):
         "auto", description="torch.distributed backend under torchrun: NCCL with CUDA, else gloo."
     )
     timeout_s: float = Field(
-        300.0, gt=0, description="A collective waiting longer than this (a dead or hung rank) ends the job."
+        300.0,
+        gt=0,
+        le=365 * 86400,  # a timedelta cannot hold much more
+        description="A collective waiting longer than this (a dead or hung rank) ends the job.",
     )
     reduce: Literal["gather", "allreduce"] = Field(
         "gather",
@@ -143,12 +189,35 @@ class CommConfig(_Section):
 class RunConfig(_Section):
     root: str = Field("runs", description="Folder under which run directories are created.")
     name: str | None = Field(None, description="Run directory name; default <model>_<dataset>_<UTC time>.")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_folder_name(cls, name: str | None) -> str | None:
+        # A name with '/' or '..' would put the run outside run.root.
+        if name is not None and (name in ("", ".", "..") or "/" in name or "\0" in name):
+            raise ValueError(f"must be a plain folder name (no '/'), got {name!r}")
+        return name
+
     progress: bool = Field(True, description="Show a progress bar on the console.")
     save_final: bool = Field(True, description="Export the final model in Hugging Face format.")
     plots: bool = Field(True, description="Write PNG plots into the run directory at the end (adloco plot).")
     max_failed_rounds: int = Field(
         3, ge=1, description="Stop after this many rounds in a row in which a trainer had no finite worker."
     )
+    trackers: list[Literal["tensorboard", "wandb", "mlflow", "clearml"]] = Field(
+        ["tensorboard"],
+        description="Experiment trackers that receive every metric: tensorboard (<run>/tensorboard), wandb, mlflow, "
+        "clearml (pip extras); [] for none. See docs/tracking.md.",
+    )
+    project: str = Field("adloco", min_length=1, description="Project / experiment name for wandb, mlflow, clearml.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trackers_from_text(cls, data: Any) -> Any:
+        # run.trackers=tensorboard,wandb on the command line arrives as one string
+        if isinstance(data, dict) and isinstance(data.get("trackers"), str):
+            data = {**data, "trackers": [t.strip() for t in data["trackers"].split(",") if t.strip()]}
+        return data
 
 
 Method = Literal["ddp", "localsgd", "diloco", "adloco", "streaming"]
@@ -167,9 +236,12 @@ _METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
 class TrainConfig(BaseModel):
     """Everything a run needs; every key is documented in docs/configuration.md."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     method: Method = Field("diloco", description="ddp | localsgd | diloco | streaming | adloco.")
+    task: Literal["lm", "classification"] = Field(
+        "lm", description="lm: next-token prediction on text; classification: labelled texts (jsonl or csv)."
+    )
     workers: int | None = Field(
         None, ge=1, description="Workers per trainer at the start (M); default 4, and 1 for adloco (4 trainers × 1)."
     )
@@ -180,8 +252,9 @@ class TrainConfig(BaseModel):
         description="H: inner steps per round (ddp averages gradients every step; H only sets its round length).",
     )
     total_tokens: int = Field(1_536_000, ge=1, description="Training tokens over all workers and trainers.")
-    seed: int = Field(0, ge=0, description="Seed for init and data order; same seed ⇒ same numbers.")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    # Bounded so that every seed derived from it (seed × stride + worker) fits torch's 64-bit generators.
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for init and data order; same seed ⇒ same numbers.")
+    threads: int | None = Field(None, ge=1, le=4096, description="torch CPU threads (default: torch's choice).")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where workers train: cuda when available (one GPU per rank), else cpu."
     )
@@ -204,6 +277,7 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _resolve_method_defaults(self) -> TrainConfig:
         defaults = _METHOD_DEFAULTS[self.method]
+        self._resolve_model()
         if self.sync_every is None:
             self.sync_every = defaults["sync_every"]
         if self.trainers is None:
@@ -238,6 +312,11 @@ class TrainConfig(BaseModel):
                 if value not in (None, 1 if key == "fragments" else 0):
                     raise ValueError(f"streaming.{key}: only method=streaming syncs fragments")
             streaming.fragments, streaming.overlap, streaming.alpha = 1, 0, 0.0
+        if self.outer.overlap != "none" and self.method not in ("diloco", "localsgd"):
+            raise ValueError(
+                f"outer.overlap: {self.outer.overlap} overlaps whole-model DiLoCo rounds (method=diloco or "
+                f"localsgd); streaming overlaps fragments with streaming.overlap"
+            )
         if self.method == "ddp" and self.codec.name != "none":
             raise ValueError("codec.name: ddp exchanges gradients every step; codecs apply to pseudo-gradients")
         if self.batch.b_min > self.batch.b_cap:
@@ -245,6 +324,19 @@ class TrainConfig(BaseModel):
         if self.inner.min_lr > self.inner.lr:
             raise ValueError(f"inner.min_lr ({self.inner.min_lr}) is larger than inner.lr ({self.inner.lr})")
         return self
+
+    def _resolve_model(self) -> None:
+        model = self.model
+        if model.path is not None and model.preset is not None:
+            raise ValueError("model: give model.preset or model.path, not both")
+        if model.path is None and model.preset is None:
+            model.preset = "tiny-bert" if self.task == "classification" else "tiny"
+        if self.task == "lm" and model.preset in ("tiny-bert", "small-bert"):
+            raise ValueError(
+                f"model.preset: {model.preset} is an encoder for task=classification, not a language model"
+            )
+        if self.task == "lm" and self.data.val_dataset is not None:
+            raise ValueError("data.val_dataset: only task=classification reads a separate validation file")
 
     @property
     def total_workers(self) -> int:
@@ -269,7 +361,13 @@ _Loader.add_implicit_resolver(
 
 
 def _load_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError:
+        raise
+    except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as error:
+        # PyYAML's constructors raise plain Python errors for a tag whose value does not parse (!!int x).
+        raise yaml.YAMLError(f"a tagged value cannot be built ({type(error).__name__})") from None
 
 
 def _parse_value(text: str) -> Any:

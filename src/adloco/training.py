@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -17,18 +18,45 @@ from rich.console import Console
 from transformers.utils import logging as hf_logging
 
 from adloco.algorithms.schedules import inner_lr
-from adloco.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, save_checkpoint
+from adloco.checkpoint import (
+    CheckpointError,
+    atomic_write_bytes,
+    latest_checkpoint,
+    list_checkpoints,
+    save_checkpoint,
+    write_failure,
+)
 from adloco.cluster import Cluster, StepReport
 from adloco.comm import Communicator, LocalCommunicator
-from adloco.comm.distributed import DistributedCommunicator, launched_by_torchrun
+from adloco.comm.distributed import (
+    DistributedCommunicator,
+    job_key,
+    launched_by_torchrun,
+    max_restarts,
+    restart_attempt,
+)
 from adloco.config import ConfigError, TrainConfig, load_config
-from adloco.data import Corpus, dataset_label, get_tokenizer, validation_blocks
-from adloco.metrics import MetricsWriter, make_progress
-from adloco.model import build_model, next_token_loss, preset_config
+from adloco.data import (
+    SAVED_DIR,
+    build_tokenizer,
+    dataset_label,
+    load_corpus,
+    save_tokenizer,
+    source_from_config,
+    training_texts,
+)
+from adloco.metrics import MetricsWriter, make_progress, memory_snapshot
+from adloco.runs import mark_ended, mark_running
+from adloco.tasks import Task, build_task, classification_texts, mean_next_token_loss
+from adloco.tracking import check_trackers, open_trackers
 
 log = logging.getLogger("adloco")
 
 CONFIG_FILE = "config.yaml"
+JOBS_DIR = ".jobs"  # under run.root: one pointer file per torchrun job, naming the run directory it trains
+# Test-only fault injection: the rank ADLOCO_FAULT_RANK (default 0) SIGKILLs itself after its first inner step of
+# round ADLOCO_FAULT_AT_ROUND, in the first attempt of a job only, so that tests can exercise torchrun restarts.
+FAULT_ROUND_ENV, FAULT_RANK_ENV = "ADLOCO_FAULT_AT_ROUND", "ADLOCO_FAULT_RANK"
 
 
 class NonFiniteError(RuntimeError):
@@ -45,6 +73,7 @@ class TrainResult:
     seconds: float
     bytes_sent: int
     best_trainer: int
+    accuracy: float | None = None  # task=classification: validation accuracy of the best trainer
 
 
 def make_run_dir(config: TrainConfig) -> Path:
@@ -53,7 +82,8 @@ def make_run_dir(config: TrainConfig) -> Path:
         name = config.run.name
     else:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        name = f"{config.model.preset}_{dataset_label(config.data.dataset)}_{stamp}"
+        model = config.model.preset or Path(str(config.model.path)).stem
+        name = f"{model}_{dataset_label(config.data.dataset)}_{stamp}"
     path = root / name
     suffix = 1
     while path.exists():
@@ -62,29 +92,42 @@ def make_run_dir(config: TrainConfig) -> Path:
     try:
         path.mkdir(parents=True)
         (path / "checkpoints").mkdir()
-    except OSError as error:
-        raise ConfigError(f"run directory '{path}' cannot be created: {error.strerror}") from None
+    except (OSError, ValueError) as error:  # ValueError: a NUL byte in the path
+        reason = getattr(error, "strerror", None) or str(error)
+        raise ConfigError(f"run directory '{path}' cannot be created: {reason}") from None
     return path
+
+
+def _check_writable(directory: Path) -> None:
+    """Preflight: a real probe file, since permission bits say nothing for root or on a read-only mount."""
+    probe = directory / f".adloco-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"adloco")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"run directory '{directory}' is not writable: {error.strerror}") from None
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, theta: list[torch.Tensor], blocks: torch.Tensor, batch: int = 64) -> float:
     """Mean next-token loss of θ over ``blocks`` (each of context + 1 tokens)."""
-    for p, t in zip(model.parameters(), theta, strict=True):
-        p.copy_(t)
-    model.eval()
-    total, count = 0.0, 0
-    for start in range(0, len(blocks), batch):
-        chunk = blocks[start : start + batch]
-        loss = next_token_loss(model, chunk[:, :-1], chunk[:, 1:])
-        total += float(loss) * chunk.numel()
-        count += chunk.numel()
-    model.train()
-    return total / count
+    return mean_next_token_loss(model, theta, blocks, batch)
+
+
+class _RunLogHandler(logging.FileHandler):
+    """train.log; a failed write (full disk) must not print a logging traceback in the middle of the run.
+
+    The next checkpoint or metrics write reports the same problem as one line."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        pass
 
 
 def _attach_log_file(run_dir: Path) -> logging.Handler:
-    handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+    try:
+        handler = _RunLogHandler(run_dir / "train.log", encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"cannot write '{run_dir / 'train.log'}': {error.strerror}") from None
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("adloco")
     root.setLevel(logging.INFO)
@@ -100,10 +143,16 @@ def _export_final(model: torch.nn.Module, theta: list[torch.Tensor], run_dir: Pa
     staging = run_dir / ".final.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     hf_logging.disable_progress_bar()
-    model.save_pretrained(staging, safe_serialization=True)
-    (staging / "adloco_tokenizer.json").write_text(json.dumps(tokenizer_info, indent=2) + "\n")
-    shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        (staging / "adloco_tokenizer.json").write_text(json.dumps(tokenizer_info, indent=2) + "\n")
+        if (run_dir / SAVED_DIR).is_dir():  # bpe/HF tokenizers: final/ loads with AutoTokenizer too
+            shutil.copytree(run_dir / SAVED_DIR, staging, dirs_exist_ok=True)
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise write_failure(error, "the final model", final) from None
     return final
 
 
@@ -124,14 +173,81 @@ def resolve_device(config: TrainConfig) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def _prepare_run_dir(config: TrainConfig, resume: Path | None) -> Path:
+def _job_pointer(config: TrainConfig) -> Path | None:
+    """``<run.root>/.jobs/<job>``: where a torchrun job that may restart records its run directory."""
+    key = job_key()
+    return None if key is None else Path(config.run.root) / JOBS_DIR / key
+
+
+def _record_job(config: TrainConfig, run_dir: Path) -> None:
+    pointer = _job_pointer(config)
+    if pointer is None or max_restarts() == 0:
+        return
+    try:
+        atomic_write_bytes(pointer, f"{run_dir.resolve()}\n".encode())
+    except OSError as error:
+        raise ConfigError(f"cannot record the run directory of this job in '{pointer}': {error.strerror}") from None
+
+
+def _restart_plan(config: TrainConfig) -> tuple[str, str]:
+    """On a restarted torchrun attempt (rank 0): what to do with the run directory the first attempt made.
+
+    ("resume", dir) when it has a checkpoint, ("again", dir) when the first attempt died before its first
+    checkpoint, ("new", "") when it died before creating a directory at all.
+    """
+    pointer = _job_pointer(config)
+    if pointer is None or not pointer.exists():
+        return ("new", "")
+    try:
+        run_dir = Path(pointer.read_text().strip())
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"job pointer '{pointer}' cannot be read ({error})") from None
+    if not (run_dir / CONFIG_FILE).exists():
+        return ("new", "")
+    if resume_config(run_dir).to_yaml() != config.to_yaml():
+        # A pointer left by another job of the same id: never mix two configurations in one directory.
+        raise ConfigError(f"run directory '{run_dir}' named by '{pointer}' was started with another configuration")
+    return ("resume" if list_checkpoints(run_dir / "checkpoints") else "again", str(run_dir))
+
+
+def _clear_for_start_over(run_dir: Path) -> None:
+    """Remove what a first attempt without any checkpoint left behind (train.log stays: it tells what happened)."""
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    for name in ("final", ".final.tmp", "plots"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    (run_dir / "checkpoints").mkdir(exist_ok=True)
+
+
+def _prepare_run_dir(config: TrainConfig, resume: Path | None, again: Path | None = None) -> Path:
     if resume is not None:
         if not (resume / "checkpoints").is_dir() or not list_checkpoints(resume / "checkpoints"):
             raise CheckpointError(f"run directory '{resume}' has no checkpoint to resume from")
+        _check_writable(resume / "checkpoints")
+        _record_job(config, resume)
         return resume
-    run_dir = make_run_dir(config)
-    (run_dir / CONFIG_FILE).write_text(config.to_yaml())
+    if again is not None:
+        _clear_for_start_over(again)
+        run_dir = again
+    else:
+        run_dir = make_run_dir(config)
+    try:
+        (run_dir / CONFIG_FILE).write_text(config.to_yaml())
+    except OSError as error:
+        raise ConfigError(f"run directory '{run_dir}' is not writable: {error.strerror}") from None
+    _record_job(config, run_dir)
     return run_dir
+
+
+def _fault_round(rank: int) -> int | None:
+    """The round at which this rank kills itself (test-only fault injection), or None."""
+    value = os.environ.get(FAULT_ROUND_ENV)
+    if value is None or restart_attempt() > 0:
+        return None
+    try:
+        fault_round, fault_rank = int(value), int(os.environ.get(FAULT_RANK_ENV, "0"))
+    except ValueError:
+        raise ConfigError(f"{FAULT_ROUND_ENV} and {FAULT_RANK_ENV} must be integers") from None
+    return fault_round if fault_rank == rank else None
 
 
 def train(
@@ -156,44 +272,106 @@ def train(
             comm.close()
 
 
+def _agree_on_restart(config: TrainConfig, comm: Communicator) -> tuple[str, str]:
+    """Rank 0's restart plan (see ``_restart_plan``), on every rank; errors are every rank's errors."""
+    plan: tuple[str, str] = ("new", "")
+    if comm.rank == 0:
+        try:
+            plan = _restart_plan(config)
+        except (ConfigError, CheckpointError) as error:
+            plan = (type(error).__name__, str(error))
+    plan = comm.broadcast_object(plan, src=0)
+    if plan[0] in ("ConfigError", "CheckpointError"):
+        raise (CheckpointError if plan[0] == "CheckpointError" else ConfigError)(plan[1])
+    return plan
+
+
 def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
     device = resolve_device(config)
-    tokenizer = get_tokenizer(config.data.tokenizer)
-    model_config = preset_config(config.model.preset, tokenizer.vocab_size, config.model.context)
-    context = int(model_config.max_position_embeddings)
-    corpus = Corpus.load(config.data.dataset, tokenizer, config.data.val_fraction, context)
+    # A torchrun attempt after a failure continues the run its first attempt made, with no --resume needed.
+    restart = _agree_on_restart(config, comm) if restart_attempt() > 0 else None
+    again = None
+    if restart is not None and restart[0] == "resume":
+        resume = Path(restart[1])
+    elif restart is not None and restart[0] == "again":
+        again = Path(restart[1])
+    # A resumed run reloads the tokenizer it saved: a BPE is never trained twice for one run.
+    saved = resume / SAVED_DIR if resume is not None and config.data.tokenizer != "byte" else None
+    if config.task == "classification":
+        tokenizer = build_tokenizer(config.data, classification_texts(config), saved)
+        run_task = build_task(config, tokenizer)
+    else:
+        source = source_from_config(config.data)
+        tokenizer = build_tokenizer(config.data, training_texts(config.data, source), saved)
+        run_task = build_task(config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context, source))
 
     # Rank 0 decides the run directory; an error there is every rank's error.
     outcome: tuple[str, str] = ("ok", "")
     if comm.rank == 0:
         try:
-            outcome = ("ok", str(_prepare_run_dir(config, resume)))
+            check_trackers(config.run.trackers)  # a missing tracker package stops the run before it starts
+            outcome = ("ok", str(_prepare_run_dir(config, resume, again)))
         except (ConfigError, CheckpointError) as error:
             outcome = (type(error).__name__, str(error))
     outcome = comm.broadcast_object(outcome, src=0)
     if outcome[0] != "ok":
         raise (CheckpointError if outcome[0] == "CheckpointError" else ConfigError)(outcome[1])
     run_dir = Path(outcome[1])
-    checkpoint = latest_checkpoint(run_dir / "checkpoints") if resume is not None else None
+    if comm.rank == 0 and resume is None:
+        save_tokenizer(tokenizer, run_dir / SAVED_DIR)
+    checkpoint = latest_checkpoint(run_dir / "checkpoints", training=True) if resume is not None else None
     handler = _attach_log_file(run_dir) if comm.rank == 0 else None
+    if restart is not None and comm.rank == 0:
+        _announce_restart(restart[0], run_dir, checkpoint, console)
+    if comm.rank == 0:
+        mark_running(run_dir)
+    error: BaseException | None = None
     try:
-        return _train_in(config, run_dir, corpus, model_config, tokenizer.describe(), checkpoint, console, comm, device)
+        return _train_in(config, run_dir, run_task, tokenizer.describe(), checkpoint, console, comm, device)
+    except BaseException as raised:
+        error = raised
+        raise
     finally:
+        if comm.rank == 0:
+            mark_ended(run_dir, error)
         if handler is not None:
             logging.getLogger("adloco").removeHandler(handler)
             handler.close()
 
 
-def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint, console, comm, device) -> TrainResult:
+def _announce_restart(plan: str, run_dir: Path, checkpoint: dict | None, console: Console) -> None:
+    where = f"restart {restart_attempt()} of {max_restarts()}"
+    if plan == "resume" and checkpoint is not None:
+        message = f"{where}: resuming {run_dir} from round {checkpoint['counters']['round']}"
+    elif plan == "again":
+        message = f"{where}: the previous attempt left no checkpoint; starting {run_dir} over"
+    else:
+        message = f"{where}: the previous attempt left no run directory; starting {run_dir}"
+    log.info(message)
+    console.print(f"adloco: {message}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, console, comm, device) -> TrainResult:
     is_root = comm.rank == 0
-    cluster = Cluster(config, model_config, corpus, comm, device)
+    cluster = Cluster(config, run_task, comm, device)
     context = cluster.context
-    eval_model = build_model(model_config, config.seed).to(device) if is_root else None
-    val_subset = validation_blocks(corpus.val, context, config.eval.blocks).to(device)
+    eval_model = run_task.build_model(config.seed).to(device) if is_root else None
+    classification = config.task == "classification"
+    last_accuracy: dict[int, float] = {}
 
     counters = {"round": 0, "tokens": 0, "step": 0, "bytes": 0, "seconds": 0.0}
+    fault_round = _fault_round(comm.rank)
     if checkpoint is not None:
-        cluster.load_state_dict(checkpoint["cluster"])
+        try:
+            cluster.load_state_dict(checkpoint["cluster"])
+        except CheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+            # Intact file, foreign content (e.g. a checkpoint of another config): one line, not a traceback.
+            raise CheckpointError(
+                f"checkpoint of round {checkpoint['round']} does not fit this run ({type(error).__name__}: "
+                f"{str(error)[:120]})"
+            ) from None
         counters.update(checkpoint["counters"])
         log.info("resumed from round %d (%d tokens)", counters["round"], counters["tokens"])
     else:
@@ -209,7 +387,18 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
             comm.world_size,
         )
     metrics = (
-        MetricsWriter(run_dir / "metrics.jsonl", resume_round=counters["round"] - 1 if checkpoint else None)
+        MetricsWriter(
+            run_dir / "metrics.jsonl",
+            resume_round=counters["round"] - 1 if checkpoint else None,
+            # Trackers hide their points after the checkpoint's inner step (all of them when starting over).
+            trackers=open_trackers(
+                config.run.trackers,
+                run_dir,
+                project=config.run.project,
+                config=config.model_dump(mode="json"),
+                resume_step=counters["step"],
+            ),
+        )
         if is_root
         else None
     )
@@ -247,6 +436,8 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
 
             def on_step(report: StepReport, round_index=round_index, batch_label=batch_label) -> None:
                 counters["step"] += 1
+                if round_index == fault_round:
+                    os.kill(os.getpid(), signal.SIGKILL)  # test-only fault injection: die like a crashed node
                 counters["tokens"] += report.tokens
                 if metrics is None:
                     return
@@ -271,7 +462,9 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
             failed_streak = failed_streak + 1 if report.skipped else 0
             merge = cluster.maybe_merge(round_index)
             comm_stats = comm.stats.take()
-            per_rank = comm.gather_objects((comm_stats.bytes_sent, comm_stats.wire_bytes, comm_stats.seconds))
+            per_rank = comm.gather_objects(
+                (comm_stats.bytes_sent, comm_stats.wire_bytes, comm_stats.seconds, memory_snapshot(device))
+            )
             # Each rank counts the payloads of the workers it hosts; rank 0 adds them up for the job.
             round_bytes = sum(p[0] for p in per_rank) if per_rank else comm_stats.bytes_sent
             counters["bytes"] += round_bytes
@@ -280,9 +473,16 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
             if finished:
                 cluster.flush()  # streaming: exchanges still in flight count towards the final θ
             evaluated = (round_index + 1) % config.eval.every == 0 or finished
+            eval_started = time.perf_counter()
             if evaluated and is_root:
                 last_val.clear()
-                last_val.update({k: evaluate(eval_model, t.theta, val_subset) for k, t in cluster.trainers.items()})
+                periodic = {
+                    k: run_task.evaluate(eval_model, t.theta, config.eval.blocks) for k, t in cluster.trainers.items()
+                }
+                last_val.update({k: e.loss for k, e in periodic.items()})
+                last_accuracy = {k: e.accuracy for k, e in periodic.items() if e.accuracy is not None}
+            # Benchmarks subtract it: the periodic evaluation is part of `seconds` but not of training.
+            eval_seconds = time.perf_counter() - eval_started
             counters["seconds"] = time.perf_counter() - started
             if metrics is not None:
                 metrics.write(
@@ -292,14 +492,21 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
                     tokens=counters["tokens"],
                     train_loss=report.loss,
                     val_loss=dict(last_val) if evaluated else None,
+                    **({"val_accuracy": dict(last_accuracy) if evaluated else None} if classification else {}),
                     bytes=round_bytes,
                     bytes_total=counters["bytes"],
                     comm_seconds=comm_stats.seconds,
                     ranks=[
                         {"rank": r, "payload_bytes": p, "wire_bytes": w, "comm_seconds": t}
-                        for r, (p, w, t) in enumerate(per_rank)
+                        for r, (p, w, t, _) in enumerate(per_rank)
                     ],
+                    memory=[{"rank": r, **entry[3]} for r, entry in enumerate(per_rank)],
+                    step=counters["step"],
+                    tokens_per_second=(
+                        (counters["tokens"] - tokens_before) / max(time.perf_counter() - round_start, 1e-9)
+                    ),
                     round_seconds=time.perf_counter() - round_start,
+                    eval_seconds=eval_seconds,
                     seconds=counters["seconds"],
                     batch={k: t.batch_size for k, t in cluster.trainers.items()},
                     batch_test=report.batch or None,
@@ -334,8 +541,9 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
     if not is_root:
         summary = comm.broadcast_object(None, src=0)
         return TrainResult(run_dir=run_dir, **summary)
-    full = validation_blocks(corpus.val, context).to(device) if config.eval.final_full else val_subset
-    final_val = {k: evaluate(eval_model, t.theta, full) for k, t in cluster.trainers.items()}
+    limit = None if config.eval.final_full else config.eval.blocks
+    final_eval = {k: run_task.evaluate(eval_model, t.theta, limit) for k, t in cluster.trainers.items()}
+    final_val = {k: e.loss for k, e in final_eval.items()}
     best = min(final_val, key=final_val.get)
     seconds = time.perf_counter() - started
     result = TrainResult(
@@ -347,6 +555,7 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
         seconds=seconds,
         bytes_sent=counters["bytes"],
         best_trainer=best,
+        accuracy=final_eval[best].accuracy,
     )
     metrics.write(
         "final",
@@ -358,7 +567,14 @@ def _train_in(config, run_dir, corpus, model_config, tokenizer_info, checkpoint,
         rounds=result.rounds,
         bytes_total=result.bytes_sent,
         seconds=seconds,
-        validation_tokens=int(full[:, 1:].numel()),
+        **(
+            {
+                "accuracy": {k: e.accuracy for k, e in final_eval.items()},
+                "validation_samples": final_eval[best].count,
+            }
+            if classification
+            else {"validation_tokens": final_eval[best].count}
+        ),
     )
     metrics.close()
     if config.run.save_final:

@@ -1,7 +1,6 @@
 """Real torch.distributed processes (gloo on loopback) against the in-process engine."""
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -10,12 +9,11 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from adloco.checkpoint import list_checkpoints
 from adloco.config import build_config
 from adloco.metrics import read_metrics
 from adloco.training import train
+from tests.conftest import cut_back, final_params, same_params
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
@@ -63,19 +61,11 @@ def _torchrun(ranks: int, args: list[str], cwd, timeout=240) -> subprocess.Compl
     return result
 
 
-def _params(run_dir):
-    return load_file(run_dir / "final" / "model.safetensors")
-
-
-def _same(a, b) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def test_diloco_two_ranks_of_two_slots_equal_one_rank_of_four(tmp_path):
     local = train(build_config(overrides=[*DILOCO, f"run.root={tmp_path}", "run.name=local"]))
     result = _torchrun(2, [*DILOCO, f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
     assert result.stdout.count("final validation loss") == 1  # rank 0 speaks for the job
-    assert _same(_params(local.run_dir), _params(tmp_path / "dist"))
+    assert same_params(final_params(local.run_dir), final_params(tmp_path / "dist"))
     rounds = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "round"]
     assert [r["rank"] for r in rounds[0]["ranks"]] == [0, 1]
     assert all(r["wire_bytes"] > 0 and r["comm_seconds"] >= 0 for r in rounds[0]["ranks"])
@@ -91,17 +81,13 @@ def test_adloco_merges_hand_ranks_over_and_match_in_process(tmp_path):
     dist_dir = tmp_path / "dist"
     merges = [r for r in read_metrics(dist_dir / "metrics.jsonl") if r["kind"] == "merge"]
     assert len(merges) == 3 and merges[-1]["workers"] == [0, 1, 2, 3]  # ranks 1-3 now work for trainer 0
-    assert _same(_params(local.run_dir), _params(dist_dir))
+    assert same_params(final_params(local.run_dir), final_params(dist_dir))
 
     # Resume the 4-rank job on 2 ranks from the checkpoint after round 1 (same worker count).
-    partial = tmp_path / "partial"
-    shutil.copytree(dist_dir, partial)
-    shutil.rmtree(partial / "final")
-    for path in list_checkpoints(partial / "checkpoints")[2:]:
-        path.unlink()
+    partial = cut_back(dist_dir, tmp_path / "partial", keep=2)
     env_args = ["--resume", str(partial)]
     _torchrun(2, env_args, cwd=tmp_path)
-    assert _same(_params(local.run_dir), _params(partial))
+    assert same_params(final_params(local.run_dir), final_params(partial))
 
 
 def _launch_two_ranks(tmp_path, name: str, timeout_s: int) -> list[subprocess.Popen]:
@@ -165,16 +151,24 @@ def test_streaming_with_a_codec_matches_in_process(tmp_path):
     streaming = [*DILOCO, "method=streaming", "streaming.fragments=2", "streaming.overlap=1", "codec.name=int8"]
     local = train(build_config(overrides=[*streaming, f"run.root={tmp_path}", "run.name=local"]))
     _torchrun(2, [*streaming, f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
-    assert _same(_params(local.run_dir), _params(tmp_path / "dist"))
+    assert same_params(final_params(local.run_dir), final_params(tmp_path / "dist"))
 
 
 def test_allreduce_mode_agrees_with_the_exact_sum(tmp_path):
     """comm.reduce=allreduce pre-sums a rank's slots and all-reduces: same result up to summation order."""
     local = train(build_config(overrides=[*DILOCO, f"run.root={tmp_path}", "run.name=local"]))
     _torchrun(2, [*DILOCO, f"run.root={tmp_path}", "run.name=dist", "comm.reduce=allreduce"], cwd=tmp_path)
-    expected, got = _params(local.run_dir), _params(tmp_path / "dist")
+    expected, got = final_params(local.run_dir), final_params(tmp_path / "dist")
     assert all(torch.allclose(expected[k], got[k], atol=1e-5, rtol=1e-4) for k in expected)
     rounds = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "round"]
     params = sum(t.numel() for t in got.values())
     # each rank hands the backend one summed pseudo-gradient (counted twice for the ring's two phases)
     assert rounds[-1]["ranks"][0]["wire_bytes"] >= 2 * 4 * params
+
+
+def test_eager_overlap_matches_in_process(tmp_path):
+    """Eager updates keep an exchange in flight across a whole round: 2 ranks still give the in-process bits."""
+    eager = [*DILOCO, "outer.overlap=eager"]
+    local = train(build_config(overrides=[*eager, f"run.root={tmp_path}", "run.name=local"]))
+    _torchrun(2, [*eager, f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
+    assert same_params(final_params(local.run_dir), final_params(tmp_path / "dist"))

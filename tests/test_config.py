@@ -78,3 +78,10 @@ def test_yaml_words_like_off_stay_strings(tmp_path):
     path.write_text("method: adloco\nmerge:\n  policy: off\nbatch:\n  allow_shrink: true\n")
     config = load_config(path)
     assert config.merge.policy == "off" and config.batch.allow_shrink is True
+
+
+@pytest.mark.parametrize("override", ["=\n}", "bogus\nkey=1", "seed=\r\n"])
+def test_errors_quoting_line_breaks_stay_on_one_line(override):
+    with pytest.raises(ConfigError) as caught:
+        build_config(overrides=[override])
+    assert "\n" not in str(caught.value) and "\r" not in str(caught.value)

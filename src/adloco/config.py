@@ -15,6 +15,10 @@ from adloco.algorithms.fragments import validate_schedule
 class ConfigError(ValueError):
     """A configuration problem, reported as one line naming the key."""
 
+    def __str__(self) -> str:
+        # Messages quote user input, which may hold line breaks; the report must stay one line.
+        return super().__str__().replace("\r", "\\r").replace("\n", "\\n")
+
 
 class _Section(BaseModel):
     # NaN/inf are never meaningful settings (an infinite timeout overflows timedelta, an infinite lr trains NaN).
@@ -135,7 +139,9 @@ class MergeConfig(_Section):
 
 class EvalConfig(_Section):
     every: int = Field(20, ge=1, description="Evaluate θ every this many rounds.")
-    blocks: int = Field(64, ge=1, description="Validation blocks for the periodic evaluation.")
+    blocks: int = Field(
+        64, ge=1, description="Validation blocks (task=classification: rows) for the periodic evaluation."
+    )
     final_full: bool = Field(True, description="Evaluate the final θ on the whole validation split.")
 
 
@@ -240,7 +246,9 @@ class TrainConfig(BaseModel):
 
     method: Method = Field("diloco", description="ddp | localsgd | diloco | streaming | adloco.")
     task: Literal["lm", "classification"] = Field(
-        "lm", description="lm: next-token prediction on text; classification: labelled texts (jsonl or csv)."
+        "lm",
+        description="lm: next-token prediction on text; classification: labelled texts (jsonl, csv, tsv, parquet); "
+        "see docs/models-and-tasks.md.",
     )
     workers: int | None = Field(
         None, ge=1, description="Workers per trainer at the start (M); default 4, and 1 for adloco (4 trainers × 1)."

@@ -1,0 +1,183 @@
+"""benchmarks/link.py: time-to-target parsing, targets, doc writing, and real jobs over a limited namespace link."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from adloco import build_config, train
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "link.py"
+_spec = importlib.util.spec_from_file_location("adloco_link_benchmark", _PATH)
+link = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = link  # dataclasses look their module up by name
+_spec.loader.exec_module(link)
+
+
+def _round(seconds, tokens, val, eval_seconds=0.0):
+    return {
+        "kind": "round",
+        "seconds": seconds,
+        "tokens": tokens,
+        "val_loss": val,
+        "eval_seconds": eval_seconds,
+        "bytes_total": tokens // 10,
+        "comm_seconds": 0.5,
+    }
+
+
+RECORDS = [
+    _round(1.0, 100, {"0": 3.0}, eval_seconds=0.25),
+    _round(2.0, 200, None),  # not an evaluation round
+    _round(3.0, 300, {"0": 2.5, "1": 2.05}, eval_seconds=0.25),  # the best trainer counts
+    _round(4.0, 400, {"0": 1.9}, eval_seconds=0.5),
+    {"kind": "final", "val_loss": {"0": 1.9, "1": 2.4}, "seconds": 4.5, "tokens": 400, "bytes_total": 40},
+]
+
+
+def test_time_to_target_is_training_time_at_the_first_evaluation_at_or_below_the_target():
+    # The clock minus every evaluation so far, the one that reached the target included.
+    assert link.time_to_target(RECORDS, 2.05) == (2.5, 300)
+    assert link.time_to_target(RECORDS, 2.0) == (3.0, 400)
+    assert link.time_to_target(RECORDS, 3.0) == (0.75, 100)
+    assert link.time_to_target(RECORDS, 1.0) is None
+    assert link.final_val_loss(RECORDS) == 1.9
+
+
+def test_summary_of_a_finished_and_of_a_stopped_run():
+    summary = link.summarise(RECORDS, target=2.2)
+    assert summary["finished"] and summary["time_to_target"] == 2.5 and summary["tokens_to_target"] == 300
+    assert summary["val_loss"] == 1.9 and summary["bytes"] == 40 and summary["seconds"] == 3.0
+    assert summary["comm_seconds"] == 2.0 and summary["eval_seconds"] == 1.0
+    stopped = link.summarise(RECORDS[:3], target=2.2)  # killed once the third round reached the target
+    assert not stopped["finished"] and stopped["val_loss"] == 2.05 and stopped["tokens"] == 300
+    with pytest.raises(link.LinkError, match="no final record"):
+        link.final_val_loss(RECORDS[:-1])
+    with pytest.raises(link.LinkError, match="no round record"):
+        link.summarise([], target=1.0)
+
+
+def test_metrics_tail_leaves_a_half_written_line_for_later(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tail = link.MetricsTail(path)
+    assert tail.poll() == []  # not created yet
+    first, step = json.dumps(RECORDS[0]), json.dumps({"kind": "step", "loss": {"0": 1.0}})
+    path.write_text(first + "\n" + step + "\n" + first[:10])
+    assert tail.poll() == [RECORDS[0]]  # the step record is dropped, the partial line waits
+    path.write_text(first + "\n" + step + "\n" + first + "\n")
+    assert tail.poll() == [RECORDS[0], RECORDS[0]]
+
+
+def test_burst_grows_with_the_rate_above_100_mbit():
+    assert link.burst_for(100) == "32kbit"
+    assert link.burst_for(1000) == "1000kbit"
+
+
+def _result(time_to_target):
+    return {"time_to_target": time_to_target}
+
+
+def test_targets_are_met_or_not_with_the_figure():
+    results = {"ddp": _result(100.0), "diloco": _result(20.0), "adloco": _result(8.0), "streaming": _result(None)}
+    checks = {c["method"]: c for c in link.target_checks(results)}
+    assert set(checks) == {"diloco", "adloco", "streaming"}
+    assert (
+        checks["diloco"]["vs_ddp"] == 5.0 and not checks["diloco"]["vs_ddp_met"] and "vs_diloco" not in checks["diloco"]
+    )
+    assert checks["adloco"]["vs_ddp"] == 12.5 and checks["adloco"]["vs_ddp_met"]
+    assert checks["adloco"]["vs_diloco"] == 2.5 and checks["adloco"]["vs_diloco_met"]
+    assert checks["streaming"]["vs_ddp"] is None and not checks["streaming"]["vs_ddp_met"]
+    text = link.targets_text(list(checks.values()))
+    assert "- adloco: ≥ 10× vs DDP: **met** (12.50×); ≥ 1.3× vs DiLoCo: **met** (2.50×)" in text
+    assert "- diloco: ≥ 10× vs DDP: **not met** (5.00×)" in text
+    assert "streaming: ≥ 10× vs DDP: **not met** (target not reached)" in text
+    assert "Not measured" in link.targets_text(None)
+
+
+def test_write_between_replaces_only_the_marked_part(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"before\n{link.BEGIN}\nold table\n{link.END}\nafter\n")
+    link.write_between(doc, link.BEGIN, link.END, "new table\n")
+    assert doc.read_text() == f"before\n{link.BEGIN}\nnew table\n{link.END}\nafter\n"
+    doc.write_text("no markers\n")
+    with pytest.raises(link.LinkError, match="no <!-- link:begin -->"):
+        link.write_between(doc, link.BEGIN, link.END, "x")
+
+
+def test_without_root_the_benchmark_says_why_and_skips(monkeypatch, capsys):
+    monkeypatch.setattr(link.os, "geteuid", lambda: 1000)
+    assert link.netns_unavailable() == "creating network namespaces needs root"
+    assert link.main(["--rates", "100"]) == 0
+    assert capsys.readouterr().out.strip() == "skipped: creating network namespaces needs root"
+
+
+def test_bad_arguments_are_one_line_errors(capsys):
+    for argv in (["--rates", "fast"], ["--methods", "ddp,warp"], ["--ranks", "1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            link.main(argv)
+        assert exit_info.value.code == 2
+    assert "unknown method 'warp'" in capsys.readouterr().err
+
+
+def test_the_final_evaluation_on_fixed_blocks_equals_the_last_periodic_one(tmp_path):
+    # The benchmark compares DDP's final loss with the others' periodic ones: both must use the same blocks.
+    overrides = ["model.context=16", "batch.size=2", "sync_every=2", "total_tokens=256", "inner.warmup_steps=1"]
+    overrides += ["workers=2", "eval.every=1", "eval.blocks=4", "eval.final_full=false", "run.progress=false"]
+    overrides += ["run.plots=false", "run.save_final=false", "run.trackers=[]", f"run.root={tmp_path}", "run.name=r"]
+    train(build_config(overrides=overrides))
+    records = link._read(tmp_path / "r" / "metrics.jsonl")
+    last = [loss for _, _, loss in link.evaluations(records)][-1]
+    assert link.final_val_loss(records) == last
+    assert all(r["eval_seconds"] > 0 for r in records if r["kind"] == "round")  # every round evaluated
+
+
+_UNAVAILABLE = link.netns_unavailable()
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+
+
+@pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"namespace link unavailable: {_UNAVAILABLE}")
+def test_three_ranks_on_one_bridge_and_cleanup_even_when_the_body_fails():
+    with pytest.raises(RuntimeError, match="boom"), link.namespace_link(100, ranks=3, prefix="adlt1") as made:
+        assert {"adlt1ns0", "adlt1ns1", "adlt1ns2", "adlt1hub"} <= set(_namespaces().split())
+        # Through the bridge: rank 2's upload and rank 0's download both carry the 100 Mbit/s bucket.
+        assert 20 < link.measure_rate(made, megabytes=2, src=2, dst=0) < 105
+        raise RuntimeError("boom")
+    assert "adlt1" not in _namespaces()
+
+
+@pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"namespace link unavailable: {_UNAVAILABLE}")
+def test_a_two_rank_job_over_a_100_mbit_link_stopped_at_its_first_evaluation(tmp_path):
+    overrides = [
+        "method=diloco",
+        "model.context=16",
+        "batch.size=2",
+        "sync_every=2",
+        "total_tokens=2048",  # 16 rounds: far more than the job is allowed to run
+        "inner.warmup_steps=1",
+        "eval.blocks=4",
+        f"run.root={tmp_path}",
+        "run.name=job",
+    ]
+    tail = link.MetricsTail(tmp_path / "job" / "metrics.jsonl")
+    with link.namespace_link(100, prefix="adlt2") as made:
+        rate = link.measure_rate(made, megabytes=2)
+        # tbf enforces the ceiling; the floor only guards against a link that barely works.
+        assert 20 < rate < 105
+        args = [*link.COMMON, *link.method_overrides("diloco", 2), *overrides, "eval.every=1"]
+        stopped = link.launch_job(made, args, timeout_s=240, logs=tmp_path, stop=lambda: bool(tail.poll()))
+    assert stopped and "adlt2" not in _namespaces()
+    records = tail.poll()
+    rounds = [r for r in records if r["kind"] == "round"]
+    assert 1 <= len(rounds) < 16 and not any(r["kind"] == "final" for r in records)
+    assert rounds[0]["ranks"][1]["wire_bytes"] > 0  # rank 1 did talk, across the link
+    summary = link.summarise(records, target=100.0)
+    assert not summary["finished"] and summary["time_to_target"] == pytest.approx(
+        rounds[0]["seconds"] - rounds[0]["eval_seconds"]
+    )
+    assert (tmp_path / "rank0.log").exists() and (tmp_path / "rank1.log").exists()

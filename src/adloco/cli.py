@@ -165,9 +165,12 @@ def _runs(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     import json
 
-    from adloco.estimate import estimate, format_estimate
+    from adloco.data import DataError
+    from adloco.estimate import estimate, format_estimate, unreachable_message
 
     result = estimate(Path(args.run_dir), args.target, args.calibrate_rounds, args.trainer)
+    if not result["prediction"]["reachable"]:  # a question without an answer, like any other bad input
+        raise DataError(unreachable_message(result))
     print(json.dumps(result) if args.json else format_estimate(result))
     return 0
 
@@ -240,12 +243,12 @@ def _train(args: argparse.Namespace, load_config) -> int:
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun rank 0 speaks for the job
     print(f"run directory: {result.run_dir}")
+    # Perplexity means something for a language model only; a classifier reports its accuracy instead.
+    quality = f"perplexity {result.perplexity:.3f}" if result.accuracy is None else f"accuracy {result.accuracy:.4f}"
     print(
-        f"final validation loss {result.val_loss:.4f} (perplexity {result.perplexity:.3f}) "
+        f"final validation loss {result.val_loss:.4f} ({quality}) "
         f"after {result.tokens:,} tokens, {result.rounds} rounds, {result.seconds:.1f} s"
     )
-    if result.accuracy is not None:
-        print(f"final validation accuracy {result.accuracy:.4f}")
     return 0
 
 

@@ -176,10 +176,14 @@ class Classification(Task):
 
 
 def _pad_id(tokenizer: Tokenizer) -> int:
-    # A Hugging Face tokenizer brings its own padding token; bytes pad with NUL (never in the texts).
+    # A Hugging Face tokenizer brings its own padding token; bytes pad with NUL (never in the texts). Without
+    # one (GPT-2, a trained BPE) the end-of-text token stands in, as ordinary text never encodes to it; id 0
+    # may be a real token, which BERT would then freeze as padding and decoders would skip when pooling.
     inner = getattr(tokenizer, "tokenizer", None)
-    pad = getattr(inner, "pad_token_id", None)
-    return int(pad) if isinstance(pad, int) else 0
+    for pad in (getattr(inner, "pad_token_id", None), getattr(inner, "eos_token_id", None)):
+        if isinstance(pad, int):
+            return pad
+    return 0
 
 
 def _labelled_splits(config: TrainConfig) -> tuple[LabelledRows, LabelledRows]:

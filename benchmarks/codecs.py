@@ -12,46 +12,25 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 from pathlib import Path
 
 import torch
+from common import ROOT, train_run
 
 import adloco
 
 CODECS = ["none", "bf16", "fp16", "int8", "fp8-e4m3", "fp4-e2m1", "fp4-e3m0"]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(codec: str, tokens: int, root: Path, extra: list[str]) -> dict:
-    name = f"codec-{codec}"
-    args = [
-        "method=streaming",
-        f"codec.name={codec}",
-        f"total_tokens={tokens}",
-        "threads=1",
-        "run.progress=false",
-        "run.save_final=false",
-        f"run.root={root}",
-        f"run.name={name}",
-        *extra,
-    ]
-    subprocess.run([sys.executable, "-m", "adloco", "train", *args], check=True, capture_output=True)
-    records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
-    final = next(r for r in records if r["kind"] == "final")
-    rounds = [r for r in records if r["kind"] == "round"]
-    return {
-        "codec": codec,
-        "val_loss": final["val_loss"]["0"],
-        "bytes": final["bytes_total"],
-        "peak_sync_bytes": rounds[-1]["peak_sync_bytes"],
-        "seconds": final["seconds"],
-        "rounds": final["rounds"],
-    }
+    overrides = ["method=streaming", f"codec.name={codec}", f"total_tokens={tokens}", "threads=1", *extra]
+    summary = train_run(f"codec-{codec}", overrides, root)
+    records = [json.loads(line) for line in (root / f"codec-{codec}" / "metrics.jsonl").read_text().splitlines()]
+    peak = [r for r in records if r["kind"] == "round"][-1]["peak_sync_bytes"]
+    return {"codec": codec, "val_loss": summary["val_loss"], "bytes": summary["bytes"], "peak_sync_bytes": peak}
 
 
 def main() -> None:

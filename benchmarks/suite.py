@@ -1,0 +1,368 @@
+"""The benchmark suite: methods side by side on the anchor task, overhead, ablations, sensitivity, overlap.
+
+    python benchmarks/suite.py                       # every experiment, then docs/benchmarks.md and its plots
+    python benchmarks/suite.py --only anchor,overhead
+    python benchmarks/suite.py --report              # rebuild the report from the stored results only
+
+Each experiment stores its figures (with date and versions) in benchmarks/results/<experiment>.json, and the
+report is written from those files, so every number in docs/benchmarks.md comes from a run of this command.
+Training runs go two at a time with one thread each (a 2-core machine); the overhead measurement runs alone.
+The real-link (network namespaces) and torchft comparisons are separate scripts: benchmarks/link.py and
+benchmarks/peer_torchft.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from common import ANCHOR_TOKENS, ROOT, describe, environment, train_run
+
+RESULTS = ROOT / "benchmarks" / "results"
+IMAGES = ROOT / "docs" / "images" / "benchmarks"
+
+ONE_THREAD = ["threads=1"]
+# AdLoCo's switch mode only acts when b_req exceeds b_max; these runs cap b_max so that it does.
+SWITCH = ["batch.b_max=16"]
+
+EXPERIMENTS: dict[str, dict[str, list[str]]] = {
+    "anchor": {
+        "single worker": ["method=ddp", "workers=1", "batch.size=12"],
+        "DDP": ["method=ddp"],
+        "LocalSGD": ["method=localsgd"],
+        "DiLoCo": ["method=diloco"],
+        "AdLoCo": ["method=adloco"],
+        "Streaming fp32": ["method=streaming"],
+        "Streaming fp4": ["method=streaming", "codec.name=fp4-e2m1"],
+    },
+    "ablations": {
+        "AdLoCo (b_max 16)": ["method=adloco", *SWITCH],
+        "without adaptive batch": ["method=adloco", *SWITCH, "batch.test=constant"],
+        "without merging": ["method=adloco", *SWITCH, "merge.policy=off"],
+        "without switch mode (n = 1)": ["method=adloco", *SWITCH, "batch.switch_factor=1"],
+    },
+    "sensitivity": {
+        "η = 0.5": ["method=adloco", *SWITCH, "batch.eta=0.5"],
+        "η = 1.0": ["method=adloco", *SWITCH, "batch.eta=1.0"],
+        "n = 1.5": ["method=adloco", *SWITCH, "batch.switch_factor=1.5"],
+        "n = 3": ["method=adloco", *SWITCH, "batch.switch_factor=3"],
+    },
+    "overlap": {
+        "DiLoCo": ["method=diloco"],
+        "DiLoCo, delayed outer step": ["method=diloco", "outer.overlap=delayed"],
+        "DiLoCo, eager updates": ["method=diloco", "outer.overlap=eager"],
+    },
+}
+# Separate scripts, run by the suite with --write; their tables live in docs/link-and-peers.md.
+SCRIPTS = {"link": "link.py", "torchft": "peer_torchft.py"}
+ALL = [*EXPERIMENTS, "overhead", *SCRIPTS]
+
+
+def run_experiment(name: str, tokens: int) -> dict:
+    runs, load_before = EXPERIMENTS[name], os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=2) as pool:
+        root = Path(tmp)
+        futures = {
+            label: pool.submit(
+                train_run, f"run{i}", [*overrides, *ONE_THREAD, f"total_tokens={tokens}", "eval.every=10"], root
+            )
+            for i, (label, overrides) in enumerate(runs.items())
+        }
+        results = {}
+        for label, future in futures.items():
+            results[label] = future.result()
+            print(f"  {name} / {label}: val loss {results[label]['val_loss']:.4f}", flush=True)
+    return {"environment": environment(load_before), "tokens": tokens, "runs": results}
+
+
+def overhead(repeats: int, steps: int) -> dict:
+    """adloco with one worker against benchmarks/bare_loop.py: same model, batches and tokens, run alternately."""
+    batch, context = 12, 64
+    bare, tool, load_before = [], [], os.getloadavg()[0]
+    for repeat in range(repeats):
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "bare_loop.py"), f"--steps={steps}", f"--batch={batch}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        bare.append(json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_second"])
+        with tempfile.TemporaryDirectory() as tmp:
+            overrides = [
+                "method=ddp",
+                "workers=1",
+                f"batch.size={batch}",
+                f"total_tokens={(steps + 20) * batch * context}",
+                "sync_every=10",
+                "eval.every=100000",
+                "eval.blocks=1",
+                "eval.final_full=false",
+                "checkpoint.every=100000",
+            ]
+            train_run(f"overhead{repeat}", overrides, Path(tmp))
+            records = [json.loads(x) for x in (Path(tmp) / f"overhead{repeat}" / "metrics.jsonl").read_text().split()]
+            rounds = [r for r in records if r["kind"] == "round"][1:-1]  # warm-up round and final round out
+            tool.append(sum(r["steps"] * batch * context for r in rounds) / sum(r["round_seconds"] for r in rounds))
+        print(f"  overhead repeat {repeat}: bare {bare[-1]:,.0f} tok/s, adloco {tool[-1]:,.0f} tok/s", flush=True)
+    return {
+        "environment": environment(load_before),
+        "steps": steps,
+        "bare_tokens_per_second": bare,
+        "adloco_tokens_per_second": tool,
+        "ratio": statistics.median(tool) / statistics.median(bare),
+    }
+
+
+def run_script(name: str) -> None:
+    """benchmarks/link.py or peer_torchft.py with its defaults; each stores its own JSON and doc tables."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / SCRIPTS[name]), "--write"], check=True)
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _runs_table(runs: dict[str, dict], reference: str | None = None) -> list[str]:
+    lines = [
+        "| run | val loss | vs " + (reference or "first") + " | rounds | syncs | bytes sent | wall-clock | tokens/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    base = runs[reference or next(iter(runs))]["val_loss"]
+    for label, r in runs.items():
+        lines.append(
+            f"| {label} | {r['val_loss']:.4f} | {100 * (r['val_loss'] / base - 1):+.1f} % | {r['rounds']} "
+            f"| {r['syncs']:,} | {r['bytes'] / 1e6:,.1f} MB | {r['seconds']:.0f} s | {r['tokens_per_second']:,.0f} |"
+        )
+    return lines
+
+
+def _first_reaching(run: dict, loss: float, key: str) -> float | None:
+    return next((point[key] for point in run["curve"] if point["val_loss"] <= loss), None)
+
+
+def _targets(anchor: dict, overhead_result: dict | None) -> list[str]:
+    runs = anchor["runs"]
+    single, ddp, diloco, adloco, fp4 = (runs[k] for k in ("single worker", "DDP", "DiLoCo", "AdLoCo", "Streaming fp4"))
+    rows = []
+
+    def row(target: str, figure: str, met: bool) -> None:
+        rows.append(f"| {target} | {figure} | {'met' if met else '**not met**'} |")
+
+    if overhead_result is not None:
+        ratio = overhead_result["ratio"]
+        row("overhead: adloco tokens/s ≥ 0.95 × bare loop", f"{ratio:.3f}", ratio >= 0.95)
+    gap = adloco["val_loss"] / single["val_loss"] - 1
+    row("AdLoCo within 3 % of the single worker", f"{100 * gap:+.1f} %", gap <= 0.03)
+    fewer = ddp["syncs"] / adloco["syncs"]
+    row("AdLoCo ≥ 50× fewer synchronisations than DDP", f"{fewer:.0f}×", fewer >= 50)
+    at = _first_reaching(adloco, diloco["val_loss"], "syncs")
+    if at is None:
+        row("AdLoCo reaches DiLoCo's final loss with ≥ 30 % fewer syncs", "never reached", False)
+    else:
+        saving = 1 - at / diloco["syncs"]
+        row("AdLoCo reaches DiLoCo's final loss with ≥ 30 % fewer syncs", f"{100 * saving:.0f} % fewer", saving >= 0.3)
+    byte_ratio = ddp["bytes"] / fp4["bytes"]
+    loss_gap = fp4["val_loss"] / ddp["val_loss"] - 1
+    row(
+        "Streaming + fp4 ≥ 400× fewer bytes than DDP at ≤ +2 % val loss",
+        f"{byte_ratio:.0f}× fewer, {100 * loss_gap:+.1f} %",
+        byte_ratio >= 400 and loss_gap <= 0.02,
+    )
+    link = _load("link")
+    for check in (link or {}).get("targets") or []:
+        for other, threshold in (("ddp", 10.0), ("diloco", 1.3)):
+            if f"vs_{other}" in check:
+                ratio = check[f"vs_{other}"]
+                row(
+                    f"100 Mbit/s link, {check['method']}: time to DDP's final loss ≥ {threshold:g}× shorter "
+                    f"than {'DDP' if other == 'ddp' else 'DiLoCo'}",
+                    "target loss not reached" if ratio is None else f"{ratio:.2f}×",
+                    bool(check[f"vs_{other}_met"]),
+                )
+    peer = _load("peer_torchft")
+    if peer is not None:
+        ratio = peer["median_ratio"]
+        row("throughput ≥ torchft's DiLoCo on the same setup", f"{ratio:.2f}×", ratio >= 1)
+    return ["| target | measured | |", "| --- | --- | --- |", *rows]
+
+
+def _plots(anchor: dict) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    runs = anchor["runs"]
+    figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for axis, key, label, log in zip(
+        axes,
+        ("tokens", "syncs", "bytes"),
+        ("training tokens", "synchronisations", "bytes sent"),
+        (False, True, True),
+        strict=True,
+    ):
+        for name, run in runs.items():
+            points = [(p[key], p["val_loss"]) for p in run["curve"] if p[key] > 0]
+            if points:
+                axis.plot(*zip(*points, strict=True), marker=".", label=name)
+        axis.set_xlabel(label)
+        axis.set_ylabel("val loss")
+        axis.set_ylim(top=min(3.0, axis.get_ylim()[1]))
+        if log:
+            axis.set_xscale("log")
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.suptitle("Anchor task: val loss at equal tokens")
+    figure.tight_layout()
+    loss_png = IMAGES / "anchor-loss.png"
+    figure.savefig(loss_png, dpi=110)
+    plt.close(figure)
+
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+    adloco = runs["AdLoCo"]
+    trainers = sorted({k for b in adloco["batches"] for k in b["batch"]}, key=int)
+    for k in trainers:
+        points = [(b["tokens"], b["batch"][k]) for b in adloco["batches"] if k in b["batch"]]
+        axis.step(*zip(*points, strict=True), where="post", label=f"trainer {k}")
+    axis.set_xlabel("training tokens")
+    axis.set_ylabel("per-worker batch b")
+    axis.set_title("AdLoCo: b per trainer (lines end at merges)")
+    axis.legend()
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    batch_png = IMAGES / "anchor-adloco-batch.png"
+    figure.savefig(batch_png, dpi=110)
+    plt.close(figure)
+    return [
+        f"![val loss vs tokens, synchronisations and bytes](images/benchmarks/{loss_png.name})",
+        f"![AdLoCo batch size per trainer](images/benchmarks/{batch_png.name})",
+    ]
+
+
+def report() -> str:
+    out = [
+        "# Benchmarks",
+        "",
+        "Written by `python benchmarks/suite.py` from `benchmarks/results/*.json`; "
+        "each section names the date and versions of its measurement. Machine: 2 CPU cores, no GPU. "
+        "Training runs went two at a time with one thread each, so wall-clock and tokens/s are per run on "
+        "a shared machine (±10–20 % run to run); val losses are deterministic for a given seed.",
+        "",
+    ]
+    anchor, ablations, sensitivity, overlap, over = (
+        _load(n) for n in ("anchor", "ablations", "sensitivity", "overlap", "overhead")
+    )
+    if anchor:
+        out += [
+            "## Anchor task",
+            "",
+            f"Tiny Shakespeare, bytes, `tiny` LLaMA (0.92 M parameters, context 64), "
+            f"{anchor['tokens']:,} training tokens per run, seed 0, default settings of each method "
+            "(4 workers × batch 3; single worker: batch 12). Val loss over the whole validation split. "
+            "A synchronisation is one exchange: every inner step for DDP, every round (or fragment sync) "
+            f"otherwise. Measured {describe(anchor['environment'])}.",
+            "",
+            *_runs_table(anchor["runs"], "single worker"),
+            "",
+            *_plots(anchor),
+            "",
+            "## Targets",
+            "",
+            *_targets(anchor, over),
+            "",
+        ]
+    if over:
+        out += [
+            "## Overhead against a bare PyTorch loop",
+            "",
+            f"`adloco train method=ddp workers=1 batch.size=12` against `benchmarks/bare_loop.py` (same model, "
+            f"init, data stream, AdamW and clipping), {over['steps']} timed steps, alternating, steady-state "
+            f"tokens/s. Measured {describe(over['environment'])}.",
+            "",
+            "| | tokens/s per repeat | median |",
+            "| --- | --- | --- |",
+            f"| bare loop | {', '.join(f'{x:,.0f}' for x in over['bare_tokens_per_second'])} "
+            f"| {statistics.median(over['bare_tokens_per_second']):,.0f} |",
+            f"| adloco | {', '.join(f'{x:,.0f}' for x in over['adloco_tokens_per_second'])} "
+            f"| {statistics.median(over['adloco_tokens_per_second']):,.0f} |",
+            "",
+            f"Ratio of medians: **{over['ratio']:.3f}**.",
+            "",
+        ]
+    for title, result, text in (
+        (
+            "Ablations of AdLoCo",
+            ablations,
+            "Each run removes one component from AdLoCo with b_max capped at 16 "
+            "(so that switch mode has something to do).",
+        ),
+        (
+            "Sensitivity of AdLoCo",
+            sensitivity,
+            "Norm-test tolerance η and switch factor n, b_max capped at 16; "
+            "compare with the first row of the ablations (η = 0.8, n = 2).",
+        ),
+        (
+            "Overlapping a whole round (DiLoCo)",
+            overlap,
+            "`outer.overlap`: the outer step applied one round late "
+            "(delayed), or with each worker's own fresh share applied at once (eager updates, arXiv 2502.12996).",
+        ),
+    ):
+        if result:
+            out += [
+                f"## {title}",
+                "",
+                f"{text} {result['tokens']:,} tokens per run. Measured {describe(result['environment'])}.",
+                "",
+                *_runs_table(result["runs"]),
+                "",
+            ]
+    out += [
+        "## Real link, torchft, round estimate, reliability",
+        "",
+        "- [link-and-peers.md](link-and-peers.md): time to DDP's final loss over 100 Mbit/s and 1 Gbit/s links "
+        "between network namespaces (`link`), and throughput against torchft's DiLoCo (`torchft`); their targets "
+        "are in the table above.",
+        "- [estimate.md](estimate.md): `adloco estimate` against measured rounds (`python benchmarks/estimate.py`).",
+        "- [reliability.md](reliability.md): fuzzed input and kill -9 trials (`python benchmarks/reliability.py`).",
+        "- [reproduction.md](reproduction.md): the paper's claims against these measurements.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(ALL), help=f"comma-separated subset of {','.join(ALL)}")
+    parser.add_argument("--tokens", type=int, default=ANCHOR_TOKENS, help="training tokens per run")
+    parser.add_argument("--repeats", type=int, default=3, help="overhead: repeats (median)")
+    parser.add_argument("--steps", type=int, default=300, help="overhead: timed steps per repeat")
+    parser.add_argument("--report", action="store_true", help="only rebuild docs/benchmarks.md from stored results")
+    args = parser.parse_args()
+    if not args.report:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        for name in args.only.split(","):
+            if name not in ALL:
+                parser.error(f"unknown experiment '{name}' (choose from {', '.join(ALL)})")
+            print(f"{name} ...", flush=True)
+            if name in SCRIPTS:
+                run_script(name)
+                continue
+            result = overhead(args.repeats, args.steps) if name == "overhead" else run_experiment(name, args.tokens)
+            (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (ROOT / "docs" / "benchmarks.md").write_text(report() + "\n")
+    print(f"wrote {ROOT / 'docs' / 'benchmarks.md'}")
+
+
+if __name__ == "__main__":
+    main()

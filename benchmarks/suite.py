@@ -61,7 +61,11 @@ EXPERIMENTS: dict[str, dict[str, list[str]]] = {
     },
 }
 # Separate scripts, run by the suite with --write; their tables live in docs/link-and-peers.md.
-SCRIPTS = {"link": "link.py", "torchft": "peer_torchft.py"}
+# Budgets sized so the whole suite fits in about an hour and a half on 2 cores; each script's own defaults go further.
+SCRIPTS = {
+    "link": ["link.py", "--tokens", "128000"],
+    "torchft": ["peer_torchft.py", "--tokens", "96000", "--repeats", "3"],
+}
 ALL = [*EXPERIMENTS, "overhead", *SCRIPTS]
 
 
@@ -121,8 +125,9 @@ def overhead(repeats: int, steps: int) -> dict:
 
 
 def run_script(name: str) -> None:
-    """benchmarks/link.py or peer_torchft.py with its defaults; each stores its own JSON and doc tables."""
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / SCRIPTS[name]), "--write"], check=True)
+    """benchmarks/link.py or peer_torchft.py at the suite's budget; each stores its own JSON and doc tables."""
+    script, *budget = SCRIPTS[name]
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *budget, "--write"], check=True)
 
 
 def _load(name: str) -> dict | None:

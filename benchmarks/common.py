@@ -57,8 +57,9 @@ def summarise(metrics_path: Path, name: str, overrides: list[str]) -> dict:
     rounds = [r for r in records if r["kind"] == "round"]
     steps = sum(r["steps"] for r in rounds)
     method = next((o.split("=", 1)[1] for o in overrides if o.startswith("method=")), "diloco")
-    # A synchronisation is one exchange of (a share of) the model: every step for DDP, every round otherwise.
-    syncs_per_round = [r["steps"] if method == "ddp" else 1 for r in rounds]
+    # A synchronisation is one exchange of (a share of) the model: every step for DDP, every round otherwise;
+    # a round that sent nothing (a lone worker) synchronised nothing.
+    syncs_per_round = [0 if not r["bytes"] else r["steps"] if method == "ddp" else 1 for r in rounds]
     curve, syncs = [], 0
     for record, per_round in zip(rounds, syncs_per_round, strict=True):
         syncs += per_round

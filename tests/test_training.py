@@ -38,6 +38,13 @@ def test_bytes_counted_from_reduced_tensors(fast_overrides):
     assert ddp_rounds[0]["bytes"] == ddp_rounds[0]["steps"] * (2 * 4 * params + 2 * 3 * 8) + 2 * 8
 
 
+@pytest.mark.parametrize("method", ["ddp", "diloco"])
+def test_a_lone_worker_sends_nothing(fast_overrides, method):
+    alone = train(build_config(overrides=[*fast_overrides, f"method={method}", "workers=1", "total_tokens=128"]))
+    rounds = [r for r in read_metrics(alone.run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    assert rounds and all(r["bytes"] == 0 for r in rounds) and alone.bytes_sent == 0
+
+
 def test_same_seed_same_numbers_and_other_seed_differs(fast_overrides):
     a = train(build_config(overrides=[*fast_overrides, "total_tokens=256"]))
     b = train(build_config(overrides=[*fast_overrides, "total_tokens=256"]))

@@ -15,8 +15,8 @@ class CommStats:
     """Running totals since the last ``take()``.
 
     ``bytes_sent``: the payloads the workers contribute (each worker's tensors once): what a network with
-    one worker per machine would carry, the same in-process and under torchrun. ``wire_bytes``: what this
-    rank actually handed to the backend. ``seconds``: time spent in collectives on this rank.
+    one worker per machine would carry, the same in-process and under torchrun (nothing for a lone worker).
+    ``wire_bytes``: what this rank actually handed to the backend. ``seconds``: time spent in collectives on this rank.
     """
 
     bytes_sent: int = 0
@@ -40,6 +40,11 @@ class ScalarMeans:
 
 def payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def contributed_bytes(contributions: Sequence[Sequence[torch.Tensor]], workers: Sequence[int]) -> int:
+    """Bytes that ``contributions`` put on a network among ``workers``: none when a worker is alone."""
+    return 0 if len(workers) < 2 else sum(payload_bytes(c) for c in contributions)
 
 
 class Communicator(Protocol):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from adloco.algorithms.outer import sum_in_order
-from adloco.comm.base import CommStats, ScalarMeans, payload_bytes
+from adloco.comm.base import CommStats, ScalarMeans, contributed_bytes
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -152,7 +152,7 @@ class DistributedCommunicator(ScalarMeans):
         for row, worker in enumerate(hosted_by[self.rank]):
             local[row] = _flatten(contributions[worker]).to(self.device)
         outputs = [torch.empty_like(local) for _ in ranks]
-        payload = sum(payload_bytes(contributions[w]) for w in hosted_by[self.rank])
+        payload = contributed_bytes([contributions[w] for w in hosted_by[self.rank]], ordered)
         if len(ranks) == 1:
             outputs[0].copy_(local)
             future: Future = Future()
@@ -197,7 +197,7 @@ class DistributedCommunicator(ScalarMeans):
         mine = [contributions[w] for w in ordered if self.placement[w] == self.rank]
         like = mine[0]
         flat = _flatten(sum_in_order(mine)).to(self.device)
-        payload = sum(payload_bytes(c) for c in mine)
+        payload = contributed_bytes(mine, ordered)
         if len(self.ranks_of(ordered)) == 1:
             future: Future = Future()
             future.set_result(None)

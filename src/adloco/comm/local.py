@@ -10,7 +10,7 @@ import torch
 from torch.futures import Future
 
 from adloco.algorithms.outer import sum_in_order
-from adloco.comm.base import CommStats, ScalarMeans, payload_bytes
+from adloco.comm.base import CommStats, ScalarMeans, contributed_bytes
 
 
 class LocalCommunicator(ScalarMeans):
@@ -29,7 +29,7 @@ class LocalCommunicator(ScalarMeans):
         if missing:
             raise RuntimeError(f"workers {missing} are not hosted by the only rank")
         ordered = [contributions[w] for w in sorted(workers)]
-        self.stats.bytes_sent += sum(payload_bytes(c) for c in ordered)
+        self.stats.bytes_sent += contributed_bytes(ordered, workers)
         return ordered
 
     def gather_over_workers(
@@ -55,7 +55,7 @@ class LocalCommunicator(ScalarMeans):
         self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int] | None = None
     ) -> dict[int, list[float]]:
         workers = sorted(contributions) if workers is None else sorted(workers)
-        self.stats.bytes_sent += sum(8 * len(contributions[w]) for w in workers)
+        self.stats.bytes_sent += 0 if len(workers) < 2 else sum(8 * len(contributions[w]) for w in workers)
         return {w: list(contributions[w]) for w in workers}
 
     # A world of one rank: placement, groups and broadcasts have nothing to do.

@@ -551,7 +551,8 @@ def machine() -> str:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    return f"{model}, {os.cpu_count()} cores, Linux {platform.release()}"
+    kernel = platform.release().split("-")[0]  # the version, without the distribution's build tag
+    return f"{model}, {os.cpu_count()} cores, Linux {kernel}"
 
 
 def write_between(doc: Path, begin: str, end: str, body: str) -> None:

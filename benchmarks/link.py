@@ -564,6 +564,17 @@ def write_between(doc: Path, begin: str, end: str, body: str) -> None:
     doc.write_text(text[:start] + "\n" + body.strip() + "\n" + text[stop:])
 
 
+def publish(report: dict[str, Any], text: str, json_path: Path, doc: Path | None, markers: tuple[str, str]) -> None:
+    """Store ``report`` as JSON, print ``text``, and put it between ``markers`` in ``doc`` when one is given."""
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(text)
+    print(f"written: {json_path}")
+    if doc is not None:
+        write_between(doc, *markers, text)
+        print(f"written: {doc}")
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The section docs/link-and-peers.md shows: provenance, one table per rate, the targets."""
     v = report["versions"]
@@ -648,14 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if str(TARGET_RATE) in report["rates"]:
         report["targets"] = target_checks(report["rates"][str(TARGET_RATE)]["results"])
-    text = markdown(report)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(text)
-    print(f"written: {args.json}")
-    if args.write:
-        write_between(args.doc, BEGIN, END, text)
-        print(f"written: {args.doc}")
+    publish(report, markdown(report), args.json, args.doc if args.write else None, (BEGIN, END))
     return 0
 
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ when imported from elsewhere (tests)
-from link import machine, write_between  # noqa: E402 - after the path
+from link import machine, publish  # noqa: E402 - after the path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "link-and-peers.md"
@@ -368,14 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "agreement": agreement(runs["adloco"][0]["params"], runs["torchft"][0]["params"]),
         "adloco_repeatable": agreement(runs["adloco"][0]["params"], runs["adloco"][-1]["params"])["bit_identical"],
     }
-    text = markdown(report)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(text)
-    print(f"written: {args.json}")
-    if args.write:
-        write_between(args.doc, BEGIN, END, text)
-        print(f"written: {args.doc}")
+    publish(report, markdown(report), args.json, args.doc if args.write else None, (BEGIN, END))
     return 0
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/suite.py                       # every experiment, then docs/benchmarks.md and its plots
     python benchmarks/suite.py --only anchor,overhead
+    python benchmarks/suite.py --only anchor --runs "single worker"   # re-measure one run, keep the others
     python benchmarks/suite.py --report              # rebuild the report from the stored results only
 
 Each experiment stores its figures (with date and versions) in benchmarks/results/<experiment>.json, and the
@@ -69,8 +70,14 @@ SCRIPTS = {
 ALL = [*EXPERIMENTS, "overhead", *SCRIPTS]
 
 
-def run_experiment(name: str, tokens: int) -> dict:
+def run_experiment(name: str, tokens: int, only_runs: list[str] | None = None) -> dict:
+    """Every run of experiment ``name``; with ``only_runs``, just those, merged into the stored results."""
     runs, load_before = EXPERIMENTS[name], os.getloadavg()[0]
+    stored = _load(name) if only_runs else None
+    if only_runs:
+        if stored is None or stored["tokens"] != tokens:
+            raise SystemExit(f"--runs needs stored {name} results at {tokens:,} tokens to merge into")
+        runs = {label: runs[label] for label in only_runs}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=2) as pool:
         root = Path(tmp)
         futures = {
@@ -83,6 +90,12 @@ def run_experiment(name: str, tokens: int) -> dict:
         for label, future in futures.items():
             results[label] = future.result()
             print(f"  {name} / {label}: val loss {results[label]['val_loss']:.4f}", flush=True)
+    if stored is not None:
+        rerun = environment(load_before)
+        for label in results:
+            results[label]["remeasured"] = rerun
+        stored["runs"] = {label: results.get(label, run) for label, run in stored["runs"].items()}
+        return stored
     return {"environment": environment(load_before), "tokens": tokens, "runs": results}
 
 
@@ -134,6 +147,13 @@ def run_script(name: str) -> None:
 def _load(name: str) -> dict | None:
     path = RESULTS / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def _remeasured(result: dict) -> str:
+    """Which runs of an experiment were measured again later (``--runs``), and when."""
+    later = [f"{label}: {describe(run['remeasured'])}" for label, run in result["runs"].items() if "remeasured" in run]
+    note = " (alone, so its wall-clock and tokens/s do not compare with runs measured two at a time)"
+    return f" Re-measured later{note if len(later) == 1 else ''}: {'; '.join(later)}." if later else ""
 
 
 def _runs_table(runs: dict[str, dict], reference: str | None = None) -> list[str]:
@@ -217,10 +237,11 @@ def _plots(anchor: dict) -> list[str]:
         (False, True, True),
         strict=True,
     ):
-        for name, run in runs.items():
+        # Fixed colours per run: a run absent from a panel (a lone worker has no syncs) must not shift the others'.
+        for index, (name, run) in enumerate(runs.items()):
             points = [(p[key], p["val_loss"]) for p in run["curve"] if p[key] > 0]
             if points:
-                axis.plot(*zip(*points, strict=True), marker=".", label=name)
+                axis.plot(*zip(*points, strict=True), marker=".", label=name, color=f"C{index}")
         axis.set_xlabel(label)
         axis.set_ylabel("val loss")
         axis.set_ylim(top=min(3.0, axis.get_ylim()[1]))
@@ -276,7 +297,7 @@ def report() -> str:
             f"{anchor['tokens']:,} training tokens per run, seed 0, default settings of each method "
             "(4 workers × batch 3; single worker: batch 12). Val loss over the whole validation split. "
             "A synchronisation is one exchange: every inner step for DDP, every round (or fragment sync) "
-            f"otherwise. Measured {describe(anchor['environment'])}.",
+            f"otherwise; a lone worker has none. Measured {describe(anchor['environment'])}.{_remeasured(anchor)}",
             "",
             *_runs_table(anchor["runs"], "single worker"),
             "",
@@ -329,7 +350,8 @@ def report() -> str:
             out += [
                 f"## {title}",
                 "",
-                f"{text} {result['tokens']:,} tokens per run. Measured {describe(result['environment'])}.",
+                f"{text} {result['tokens']:,} tokens per run. "
+                f"Measured {describe(result['environment'])}.{_remeasured(result)}",
                 "",
                 *_runs_table(result["runs"]),
                 "",
@@ -354,18 +376,26 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=ANCHOR_TOKENS, help="training tokens per run")
     parser.add_argument("--repeats", type=int, default=3, help="overhead: repeats (median)")
     parser.add_argument("--steps", type=int, default=300, help="overhead: timed steps per repeat")
+    parser.add_argument("--runs", help="comma-separated run labels of one experiment to re-measure, keeping the rest")
     parser.add_argument("--report", action="store_true", help="only rebuild docs/benchmarks.md from stored results")
     args = parser.parse_args()
+    only_runs = args.runs.split(",") if args.runs else None
     if not args.report:
         RESULTS.mkdir(parents=True, exist_ok=True)
         for name in args.only.split(","):
             if name not in ALL:
                 parser.error(f"unknown experiment '{name}' (choose from {', '.join(ALL)})")
+            if only_runs and (name not in EXPERIMENTS or not set(only_runs) <= set(EXPERIMENTS[name])):
+                labels = ", ".join(EXPERIMENTS.get(name, []))
+                parser.error(f"--runs must name runs of one experiment; '{name}' has: {labels or 'no runs'}")
             print(f"{name} ...", flush=True)
             if name in SCRIPTS:
                 run_script(name)
                 continue
-            result = overhead(args.repeats, args.steps) if name == "overhead" else run_experiment(name, args.tokens)
+            if name == "overhead":
+                result = overhead(args.repeats, args.steps)
+            else:
+                result = run_experiment(name, args.tokens, only_runs)
             (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (ROOT / "docs" / "benchmarks.md").write_text(report() + "\n")
     print(f"wrote {ROOT / 'docs' / 'benchmarks.md'}")

@@ -417,8 +417,9 @@ def run_rate(link: Link, args: argparse.Namespace, root: Path) -> dict[str, Any]
     for method in ["ddp", *[m for m in args.methods if m != "ddp"]]:
         tokens = args.tokens if method == "ddp" else int(args.tokens * args.budget_factor)
         name = f"{method}-{link.rate_mbit}mbit-{ranks}ranks"
-        overrides = [*COMMON, *method_overrides(method, ranks), f"total_tokens={tokens}", f"seed={args.seed}"]
-        overrides += [f"run.root={root}", f"run.name={name}", *args.extra]
+        settings = [*COMMON, *method_overrides(method, ranks), f"total_tokens={tokens}", f"seed={args.seed}"]
+        settings += args.extra
+        overrides = [*settings, f"run.root={root}", f"run.name={name}"]  # the results keep only the settings
         target = results["ddp"]["val_loss"] if method != "ddp" else None
         metrics = root / name / "metrics.jsonl"
         tail = MetricsTail(metrics)
@@ -444,13 +445,13 @@ def run_rate(link: Link, args: argparse.Namespace, root: Path) -> dict[str, Any]
             result = summarise(records, target if target is not None else final_val_loss(records))
         except LinkError as error:
             print(f"  {name}: failed: {error}", flush=True)
-            results[method] = {"error": str(error), "overrides": overrides}
+            results[method] = {"error": str(error), "overrides": settings}
             if method == "ddp":
                 break
             continue
         finally:
             port += 1  # a fresh port per job: the previous store's socket may linger in TIME_WAIT
-        results[method] = {"overrides": overrides, "reused": reuse, "stopped_at_target": not result["finished"]}
+        results[method] = {"overrides": settings, "reused": reuse, "stopped_at_target": not result["finished"]}
         results[method].update(result)
         results[method]["wall_seconds"] = time.monotonic() - started
         r = results[method]

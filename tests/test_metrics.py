@@ -1,18 +1,22 @@
 """metrics.jsonl writer (resume truncation, tracker fan-out) and the memory report."""
 
+import mmap
+
 from adloco import metrics
 from adloco.metrics import MetricsWriter, memory_snapshot, read_metrics
 
 
 def test_memory_snapshot_reads_resident_and_peak_memory():
     before = memory_snapshot()
-    block = bytearray(64 * 2**20)  # 64 MiB, touched so that it is resident
-    block[::4096] = b"x" * len(block[::4096])
+    # A fresh anonymous mapping, not a bytearray: malloc may hand a bytearray pages that earlier tests freed and
+    # left resident, and then the resident size does not grow.
+    block = mmap.mmap(-1, 64 * 2**20)
+    block[::4096] = b"x" * len(block[::4096])  # touch every page so that all 64 MiB become resident
     after = memory_snapshot()
     assert 10 < before["rss_mib"] <= before["peak_rss_mib"] + 1e-6
     assert after["rss_mib"] >= before["rss_mib"] + 48 and after["peak_rss_mib"] >= after["rss_mib"] - 1e-6
     assert "cuda_allocated_mib" not in after  # CPU: no device figures
-    del block
+    block.close()
 
 
 def test_memory_snapshot_without_proc_falls_back_to_getrusage(monkeypatch):

@@ -53,6 +53,10 @@ def test_saved_tokenizer_reloads_exactly_and_a_resume_never_retrains(tmp_path):
     plain = AutoTokenizer.from_pretrained(tmp_path / "tok")
     text = TEXTS[5]
     assert plain(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text).tolist()
+    # Batched, padded calls work on the saved tokenizer: padding uses the end-of-text token and is masked.
+    batch = plain(["a", TEXTS[1]], padding=True, return_tensors="pt")
+    assert plain.pad_token == plain.eos_token and batch["input_ids"].shape[0] == 2
+    assert batch["attention_mask"][0].sum() < batch["attention_mask"][1].sum()
     config = build_config(overrides=["data.tokenizer=bpe", "data.vocab_size=999"])
     # With a saved tokenizer the training texts are never read and vocab_size is not used again.
     reloaded = build_tokenizer(config.data, training_texts=None, saved=tmp_path / "tok")

@@ -98,7 +98,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
         show_progress=False,
     )
     core.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=END_OF_TEXT)
+    # GPT-2's convention: the end-of-text token also pads, so that batched calls in transformers work on the export.
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT)
     return HFTokenizer(fast, "bpe", f"trained, vocab_size={vocab_size}")
 
 

@@ -51,3 +51,14 @@ def test_train_prints_final_validation_loss_and_perplexity(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "final validation loss" in result.stdout and "perplexity" in result.stdout
     assert (tmp_path / "runs").is_dir()
+
+
+@pytest.mark.parametrize("args", [["train", "workers=0"], ["train", "--resume", "/nonexistent/run"], ["runs", "x"]])
+def test_bad_config_and_run_paths_fail_before_torch_is_imported(args):
+    """A typo must not wait for torch and transformers to load (seconds); the error types live in a light module."""
+    probe = (
+        f"import sys; from adloco.cli import main; code = main({args!r}); print('torch' in sys.modules); sys.exit(code)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout.strip() == "False" and result.stderr.startswith("adloco: error: ")

@@ -15,18 +15,12 @@ from typing import Any
 
 import torch
 
+from adloco.errors import CheckpointError, StorageError
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^round_(\d{6})\.pt$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used, reported as one line."""
-
-
-class StorageError(RuntimeError):
-    """A write into the run directory failed mid-run (full disk, read-only file system): one line, exit code 1."""
 
 
 def write_failure(error: OSError, what: str, path: Path | str) -> StorageError:

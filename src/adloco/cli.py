@@ -91,9 +91,8 @@ def _split_items(items: list[str]) -> tuple[str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from adloco.checkpoint import CheckpointError
-    from adloco.config import ConfigError, load_config
-    from adloco.data import DataError
+    from adloco.config import load_config
+    from adloco.errors import CheckpointError, ConfigError, DataError
 
     try:
         if args.command == "train":
@@ -110,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"adloco: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
     except RuntimeError as error:
-        from adloco.checkpoint import StorageError
         from adloco.comm.distributed import launched_by_torchrun
+        from adloco.errors import StorageError
         from adloco.training import NonFiniteError
 
         if isinstance(error, NonFiniteError | StorageError):  # runtime failures: exit code 1
@@ -229,7 +228,7 @@ def _train(args: argparse.Namespace, load_config) -> int:
     if args.resume is not None:  # --resume "" is an error below, not a fresh default run
         if config_file or overrides:
             raise ConfigError("--resume continues a run with its own config; give no config file or overrides")
-        from adloco.training import resume_config
+        from adloco.config import resume_config
 
         run_dir = Path(args.resume)
         config = resume_config(run_dir)

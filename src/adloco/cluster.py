@@ -13,9 +13,10 @@ from torch.futures import Future
 
 from adloco.algorithms.batch_tests import BatchSizeController
 from adloco.algorithms.codecs import ErrorFeedback, get_codec
-from adloco.algorithms.fragments import assign_fragments, fragments_sending_at
+from adloco.algorithms.fragments import assign_fragments
 from adloco.algorithms.merge import merge_weights, merged_batch_size, select_merge_group, weighted_average
 from adloco.algorithms.outer import worker_delta
+from adloco.algorithms.schedules import fragments_sending_at
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig

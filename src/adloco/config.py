@@ -9,15 +9,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from adloco.algorithms.fragments import validate_schedule
-
-
-class ConfigError(ValueError):
-    """A configuration problem, reported as one line naming the key."""
-
-    def __str__(self) -> str:
-        # Messages quote user input, which may hold line breaks; the report must stay one line.
-        return super().__str__().replace("\r", "\\r").replace("\n", "\\n")
+from adloco.algorithms.schedules import validate_schedule
+from adloco.errors import ConfigError
 
 
 class _Section(BaseModel):
@@ -430,6 +423,19 @@ def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None
         return TrainConfig.model_validate(merged)
     except ValidationError as error:
         raise ConfigError(_describe(error)) from None
+
+
+RUN_CONFIG_FILE = "config.yaml"  # the resolved config, written into every run directory
+
+
+def resume_config(run_dir: Path) -> TrainConfig:
+    """The resolved config a run directory was started with (light: no model stack is imported)."""
+    path = run_dir / RUN_CONFIG_FILE
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory '{run_dir}' does not exist")
+    if not path.exists():
+        raise ConfigError(f"'{run_dir}' is not a run directory (no {RUN_CONFIG_FILE})")
+    return load_config(path)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:

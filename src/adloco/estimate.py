@@ -21,7 +21,7 @@ from adloco.algorithms.theory import (
     log_slope,
     rounds_to_target,
 )
-from adloco.config import ConfigError, TrainConfig, load_config
+from adloco.config import ConfigError, TrainConfig, resume_config
 from adloco.data import DataError
 from adloco.metrics import read_metrics
 
@@ -113,12 +113,7 @@ def _count(value: Any, default: int) -> int:
 def load_rounds(run_dir: Path) -> tuple[TrainConfig, list[dict[str, Any]], int | None]:
     """The run's config, its "round" records in order and the final record's best trainer (None if unfinished)."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ConfigError(f"run directory '{run_dir}' does not exist")
-    # Read config.yaml directly rather than through adloco.training, which would import the model stack.
-    if not (run_dir / "config.yaml").exists():
-        raise ConfigError(f"'{run_dir}' is not a run directory (no config.yaml)")
-    config = load_config(run_dir / "config.yaml")
+    config = resume_config(run_dir)
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise DataError(f"'{run_dir}' has no metrics.jsonl: the run has not completed a round yet")

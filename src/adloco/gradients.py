@@ -242,7 +242,7 @@ def analyze(
 
     ``threads`` (default: the run's ``threads`` setting) sets torch's CPU threads for the duration of the call.
     """
-    from adloco.training import resume_config
+    from adloco.config import resume_config
 
     if samples < 2:
         raise ConfigError(f"--samples must be >= 2 to measure a variance, got {samples}")

@@ -56,7 +56,7 @@ def load_final(run_dir: Path) -> tuple[torch.nn.Module, object]:
 def evaluate_final(run_dir: Path) -> Evaluation:
     """The exported model on the whole validation split: loss, tokens or samples covered, and (for
     classification runs) accuracy."""
-    from adloco.training import resume_config
+    from adloco.config import resume_config
 
     config = resume_config(run_dir)
     model, tokenizer = load_final(run_dir)

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from adloco.checkpoint import CheckpointError
+from adloco.errors import CheckpointError
 
 RUNNING_FILE = "RUNNING"
 FAILED_FILE = "FAILED"

@@ -35,7 +35,7 @@ from adloco.comm.distributed import (
     max_restarts,
     restart_attempt,
 )
-from adloco.config import ConfigError, TrainConfig, load_config
+from adloco.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, resume_config
 from adloco.data import (
     SAVED_DIR,
     build_tokenizer,
@@ -52,7 +52,6 @@ from adloco.tracking import check_trackers, open_trackers
 
 log = logging.getLogger("adloco")
 
-CONFIG_FILE = "config.yaml"
 JOBS_DIR = ".jobs"  # under run.root: one pointer file per torchrun job, naming the run directory it trains
 # Test-only fault injection: the rank ADLOCO_FAULT_RANK (default 0) SIGKILLs itself after its first inner step of
 # round ADLOCO_FAULT_AT_ROUND, in the first attempt of a job only, so that tests can exercise torchrun restarts.
@@ -202,7 +201,7 @@ def _restart_plan(config: TrainConfig) -> tuple[str, str]:
         run_dir = Path(pointer.read_text().strip())
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"job pointer '{pointer}' cannot be read ({error})") from None
-    if not (run_dir / CONFIG_FILE).exists():
+    if not (run_dir / RUN_CONFIG_FILE).exists():
         return ("new", "")
     if resume_config(run_dir).to_yaml() != config.to_yaml():
         # A pointer left by another job of the same id: never mix two configurations in one directory.
@@ -231,7 +230,7 @@ def _prepare_run_dir(config: TrainConfig, resume: Path | None, again: Path | Non
     else:
         run_dir = make_run_dir(config)
     try:
-        (run_dir / CONFIG_FILE).write_text(config.to_yaml())
+        (run_dir / RUN_CONFIG_FILE).write_text(config.to_yaml())
     except OSError as error:
         raise ConfigError(f"run directory '{run_dir}' is not writable: {error.strerror}") from None
     _record_job(config, run_dir)
@@ -595,13 +594,3 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
         seconds,
     )
     return result
-
-
-def resume_config(run_dir: Path) -> TrainConfig:
-    """The resolved config a run directory was started with."""
-    path = run_dir / CONFIG_FILE
-    if not run_dir.is_dir():
-        raise ConfigError(f"run directory '{run_dir}' does not exist")
-    if not path.exists():
-        raise ConfigError(f"'{run_dir}' is not a run directory (no {CONFIG_FILE})")
-    return load_config(path)

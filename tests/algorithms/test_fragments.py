@@ -7,16 +7,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from adloco.algorithms.fragments import (
-    assign_fragments,
+from adloco.algorithms.fragments import assign_fragments, layer_index, mix
+from adloco.algorithms.outer import OuterOptimizer, pseudo_gradient
+from adloco.algorithms.schedules import (
     fragment_offsets,
     fragments_receiving_at,
     fragments_sending_at,
-    layer_index,
-    mix,
     validate_schedule,
 )
-from adloco.algorithms.outer import OuterOptimizer, pseudo_gradient
 
 
 @functools.cache

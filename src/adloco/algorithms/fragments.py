@@ -61,38 +61,6 @@ def assign_fragments(
     return fragments
 
 
-def validate_schedule(sync_every: int, fragments: int, overlap: int) -> None:
-    """Streaming needs H divisible by P and an overlap τ shorter than the gap H/P between fragments."""
-    if sync_every < 1 or fragments < 1:
-        raise ValueError(f"sync_every ({sync_every}) and streaming.fragments ({fragments}) must be >= 1")
-    if sync_every % fragments != 0:
-        raise ValueError(f"sync_every ({sync_every}) must be a multiple of streaming.fragments ({fragments})")
-    if not 0 <= overlap < sync_every // fragments:
-        raise ValueError(
-            f"streaming.overlap ({overlap}) must be >= 0 and < sync_every/fragments ({sync_every // fragments})"
-        )
-
-
-def fragment_offsets(sync_every: int, fragments: int) -> list[int]:
-    """t_p = p·H/P."""
-    return [p * sync_every // fragments for p in range(fragments)]
-
-
-def fragments_sending_at(step: int, sync_every: int, fragments: int) -> list[int]:
-    """Fragments that send at inner step ``step`` (1-based, counted from the start of training).
-
-    Fragment p sends at t_p, t_p + H, t_p + 2H, … (never at step 0), so fragment 0 syncs on the round
-    boundaries H, 2H, … and with P = 1 the single fragment syncs exactly where DiLoCo does.
-    """
-    offsets = fragment_offsets(sync_every, fragments)
-    return [p for p, t in enumerate(offsets) if step > 0 and step >= t and (step - t) % sync_every == 0]
-
-
-def fragments_receiving_at(step: int, sync_every: int, fragments: int, overlap: int) -> list[int]:
-    """Fragments whose exchange, started ``overlap`` steps earlier, is applied at ``step``."""
-    return fragments_sending_at(step - overlap, sync_every, fragments) if step - overlap > 0 else []
-
-
 def mix(local: torch.Tensor, outer: torch.Tensor, alpha: float) -> torch.Tensor:
     """α·local + (1 − α)·outer; α = 0 returns ``outer`` itself and α = 1 ``local`` (exact, no copy)."""
     if not 0 <= alpha <= 1:

@@ -14,6 +14,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from adloco.errors import DataError
+
 if TYPE_CHECKING:
     from adloco.config import DataConfig
 
@@ -22,10 +24,6 @@ TEXT_SUFFIXES = (".txt", ".md")
 HF_PREFIX = "hf:"
 
 SourceKind = Literal["bundled", "text", "folder", "jsonl", "parquet", "hf"]
-
-
-class DataError(ValueError):
-    """A data file that cannot be used, reported as one line."""
 
 
 def first_line(error: BaseException) -> str:

@@ -1,0 +1,24 @@
+"""The errors reported as one line (exit code 2 for bad input, 1 for a failing write), in a module that imports
+nothing heavy: the command line can name a typo or a missing run directory before torch is loaded."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported as one line naming the key."""
+
+    def __str__(self) -> str:
+        # Messages quote user input, which may hold line breaks; the report must stay one line.
+        return super().__str__().replace("\r", "\\r").replace("\n", "\\n")
+
+
+class DataError(ValueError):
+    """A data file that cannot be used, reported as one line."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, reported as one line."""
+
+
+class StorageError(RuntimeError):
+    """A write into the run directory failed mid-run (full disk, read-only file system): one line, exit code 1."""

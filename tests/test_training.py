@@ -76,6 +76,9 @@ def test_resume_from_a_mid_run_checkpoint_is_bit_identical(method, fast_override
     resumed_rounds = [r for r in read_metrics(partial / "metrics.jsonl") if r["kind"] == "round"]
     assert [r["round"] for r in resumed_rounds] == [r["round"] for r in full_rounds]
     assert [r["train_loss"] for r in resumed_rounds] == [r["train_loss"] for r in full_rounds]
+    # Bytes are the algorithm's traffic: a resume neither loses nor repeats any of it.
+    assert [r["bytes_total"] for r in resumed_rounds] == [r["bytes_total"] for r in full_rounds]
+    assert resumed.bytes_sent == full.bytes_sent
 
 
 def test_one_worker_diloco_localsgd_is_plain_adamw(fast_overrides):

@@ -372,6 +372,9 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
                 f"{str(error)[:120]})"
             ) from None
         counters.update(checkpoint["counters"])
+        # The setup handshake (every worker's b_max) was counted in round 0 of the original run; repeating it to
+        # resume is not training traffic, so bytes_total stays that of an uninterrupted run.
+        comm.stats.take()
         log.info("resumed from round %d (%d tokens)", counters["round"], counters["tokens"])
     else:
         log.info(

@@ -85,3 +85,17 @@ def test_errors_quoting_line_breaks_stay_on_one_line(override):
     with pytest.raises(ConfigError) as caught:
         build_config(overrides=[override])
     assert "\n" not in str(caught.value) and "\r" not in str(caught.value)
+
+
+def test_local_paths_are_stored_absolute_and_names_stay_as_given(tmp_path, monkeypatch):
+    (tmp_path / "corpus.txt").write_text("x")
+    (tmp_path / "tok").mkdir()
+    monkeypatch.chdir(tmp_path)
+    config = build_config(
+        overrides=["data.dataset=corpus.txt", "data.tokenizer=tok", "data.hf_name=missing", "data.hf_data_files=hf:tok"]
+    )
+    assert config.data.dataset == str(tmp_path / "corpus.txt") and config.data.tokenizer == str(tmp_path / "tok")
+    assert config.data.hf_name == "missing" and config.data.hf_data_files == f"hf:{tmp_path / 'tok'}"
+    (tmp_path / "byte").mkdir()  # a folder named like a keyword does not shadow the keyword
+    assert build_config(overrides=["data.tokenizer=byte"]).data.tokenizer == "byte"
+    assert build_config().data.dataset == "tinyshakespeare"

@@ -40,3 +40,18 @@ def test_plot_writes_pngs(finished_run):
     paths = plot_run(finished_run.run_dir)
     assert [p.name for p in paths] == ["loss.png", "batch.png", "memory.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000 for p in paths)
+
+
+def test_eval_from_another_folder_finds_data_given_by_a_relative_path(tmp_path, monkeypatch):
+    from tests.conftest import FAST
+
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "corpus.txt").write_text("To be, or not to be, that is the question.\n" * 120)
+    monkeypatch.chdir(tmp_path / "project")
+    overrides = [*FAST, "total_tokens=256", "eval.final_full=true", "data.dataset=corpus.txt", f"run.root={tmp_path}"]
+    config = build_config(overrides=overrides)
+    result = train(config)
+    assert "dataset: " + str(tmp_path / "project" / "corpus.txt") in (result.run_dir / "config.yaml").read_text()
+    monkeypatch.chdir(tmp_path)  # elsewhere: the relative name no longer resolves from here
+    loss, _ = evaluate_run(result.run_dir)
+    assert loss == result.val_loss

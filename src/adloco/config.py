@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -11,6 +12,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from adloco.algorithms.schedules import validate_schedule
 from adloco.errors import ConfigError
+
+_HF_PREFIX = "hf:"
+
+
+def _absolute_if_local(value: str | None, keywords: tuple[str, ...] = ()) -> str | None:
+    """A relative path that exists here, made absolute (``hf:`` kept); names and keywords stay as given.
+
+    A run directory's config.yaml must name its data the same way from any working directory: ``adloco eval``,
+    ``gradients`` and ``--resume`` may be started elsewhere than the training was.
+    """
+    if value is None or value in keywords:
+        return value
+    prefix = _HF_PREFIX if value.startswith(_HF_PREFIX) else ""
+    target = value[len(prefix) :]
+    if not target or os.path.isabs(target) or not os.path.exists(target):
+        return value
+    return prefix + os.path.abspath(target)
 
 
 class _Section(BaseModel):
@@ -32,6 +50,11 @@ class ModelConfig(_Section):
     context: int | None = Field(
         None, ge=2, description="Sequence length in tokens; default: the preset's context or the model's maximum."
     )
+
+    @field_validator("path")
+    @classmethod
+    def _local_path_absolute(cls, value: str | None) -> str | None:
+        return _absolute_if_local(value)
 
 
 class DataConfig(_Section):
@@ -66,6 +89,11 @@ class DataConfig(_Section):
     val_dataset: str | None = Field(
         None, description="task=classification: a separate labelled validation file instead of val_fraction."
     )
+
+    @field_validator("dataset", "tokenizer", "val_dataset", "hf_name", "hf_data_files")
+    @classmethod
+    def _local_paths_absolute(cls, value: str | None) -> str | None:
+        return _absolute_if_local(value, keywords=("tinyshakespeare", "byte", "bpe"))
 
 
 class InnerConfig(_Section):

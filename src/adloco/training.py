@@ -265,7 +265,10 @@ def train(
     owns_comm = comm is None
     comm = comm or make_communicator(config)
     try:
-        return _train_with(config, resume, console, comm)
+        result = _train_with(config, resume, console, comm)
+        if owns_comm:
+            comm.barrier()  # ranks leave together: none tears its process groups down while a peer still uses them
+        return result
     finally:
         if owns_comm:
             comm.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import time
@@ -255,3 +256,7 @@ class DistributedCommunicator(ScalarMeans):
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Held group handles would keep gloo's worker threads alive until interpreter teardown, where joining
+        # them may abort the process (SIGABRT after a finished run); release them while Python is still whole.
+        self._groups.clear()
+        gc.collect()

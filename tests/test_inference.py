@@ -1,7 +1,8 @@
 import pytest
 
 from adloco.checkpoint import CheckpointError
-from adloco.config import build_config
+from adloco.config import build_config, resume_config
+from adloco.data import ByteTokenizer, load_corpus
 from adloco.inference import evaluate_run, sample
 from adloco.training import train
 
@@ -11,13 +12,17 @@ def finished_run(tmp_path_factory):
     from tests.conftest import FAST
 
     root = tmp_path_factory.mktemp("runs")
-    return train(build_config(overrides=[*FAST, "total_tokens=512", "eval.final_full=true", f"run.root={root}"]))
+    # The last 1 % of the corpus as validation split keeps the full evaluations (here and in eval) short.
+    overrides = [*FAST, "total_tokens=512", "eval.final_full=true", "data.val_fraction=0.01", f"run.root={root}"]
+    return train(build_config(overrides=overrides))
 
 
 def test_eval_reproduces_the_final_validation_loss(finished_run):
     loss, tokens = evaluate_run(finished_run.run_dir)
     assert loss == finished_run.val_loss
-    assert tokens == (111_540 - 1) // 16 * 16  # the whole validation split in windows of context 16
+    validation_split = len(load_corpus(resume_config(finished_run.run_dir).data, ByteTokenizer(), 16).val)
+    assert 11_000 < validation_split < 11_300
+    assert tokens == (validation_split - 1) // 16 * 16  # the whole validation split in windows of context 16
 
 
 def test_sample_continues_the_prompt_deterministically(finished_run):

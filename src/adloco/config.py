@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from adloco.algorithms.schedules import validate_schedule
 from adloco.errors import ConfigError
 
-_HF_PREFIX = "hf:"
+HF_PREFIX = "hf:"  # names a Hugging Face dataset or tokenizer (hub name or local folder)
 
 
 def _absolute_if_local(value: str | None, keywords: tuple[str, ...] = ()) -> str | None:
@@ -24,7 +24,7 @@ def _absolute_if_local(value: str | None, keywords: tuple[str, ...] = ()) -> str
     """
     if value is None or value in keywords:
         return value
-    prefix = _HF_PREFIX if value.startswith(_HF_PREFIX) else ""
+    prefix = HF_PREFIX if value.startswith(HF_PREFIX) else ""
     target = value[len(prefix) :]
     if not target or os.path.isabs(target) or not os.path.exists(target):
         return value

@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from adloco.config import HF_PREFIX
 from adloco.errors import DataError
 
 if TYPE_CHECKING:
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
 
 BUNDLED = {"tinyshakespeare": "tinyshakespeare.txt.gz"}
 TEXT_SUFFIXES = (".txt", ".md")
-HF_PREFIX = "hf:"
 
 SourceKind = Literal["bundled", "text", "folder", "jsonl", "parquet", "hf"]
 

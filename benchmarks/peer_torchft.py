@@ -143,7 +143,7 @@ def replica_main(replica: int, lighthouse: str, overrides: list[str], out: Path)
     task = _task(config)
     model = task.build_model(config.seed)  # trainer 0 of adloco's DiLoCo starts from config.seed
     stream = task.stream(config.seed * STREAM_SEED_STRIDE + replica, worker=replica, workers=2)
-    worker = Worker(replica, model, config.inner, stream, config.batch.b_cap, config.batch.switch_factor, task.loss)
+    worker = Worker(replica, model, config.inner, stream, task.loss)
     outer = torch.optim.SGD(
         model.parameters(), lr=config.outer.lr, momentum=config.outer.momentum, nesterov=bool(config.outer.nesterov)
     )
@@ -185,7 +185,7 @@ def replica_main(replica: int, lighthouse: str, overrides: list[str], out: Path)
         start = time.perf_counter()
         for step in range(steps):
             lr = inner_lr(step, step * per_step / config.total_tokens, inner.lr, inner.min_lr, inner.warmup_steps)
-            worker.compute_gradients(b)
+            worker.compute_gradients(b, config.batch.b_cap)
             worker.step(lr)  # torchft's post-step hook syncs every H steps
             if step + 1 == config.sync_every:
                 # The clock starts after the first round on both sides: it holds the first quorum, which

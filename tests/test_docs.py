@@ -19,3 +19,12 @@ def test_python_api(tmp_path):
     assert isinstance(config, adloco.TrainConfig)
     result = adloco.train(config)
     assert isinstance(result, adloco.TrainResult) and result.run_dir.exists()
+
+
+def test_code_map_in_the_design_notes_is_generated_from_the_tree():
+    from adloco.docs import code_map
+
+    page = (ROOT / "docs" / "design.md").read_text()
+    assert code_map() in page, "docs/design.md's code map is stale: regenerate it with adloco.docs.code_map()"
+    for module in ("sync/diloco.py", "sync/ddp.py", "algorithms/flat.py", "comm/base.py"):
+        assert module in code_map()

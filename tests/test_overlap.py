@@ -7,55 +7,55 @@ from adloco.algorithms.batch_tests import BatchSizeController
 from adloco.comm import LocalCommunicator
 from adloco.config import ConfigError, build_config
 from adloco.metrics import read_metrics
+from adloco.sync import DeltaExchange, OverlappedSync, RoundState, StepRecord, WorkerRound
 from adloco.trainer import Trainer
 from adloco.training import train
-from adloco.worker import EagerCopy
 from tests.conftest import cut_back, final_params, same_params
 
 
 class _Slot:
-    """The part of a worker the outer step touches: its parameters and its eager copy."""
+    """The part of a worker the outer step touches: its parameters."""
 
-    def __init__(self, theta, lr):
+    def __init__(self, theta):
         self.params = [t.clone() for t in theta]
-        self.eager = EagerCopy(theta, lr=lr, momentum=0.0, nesterov=False)
-        self.error_feedback = None
 
     def load_params(self, theta):
         for p, t in zip(self.params, theta, strict=True):
             p.copy_(t)
 
 
-def _round(trainer, comm, slots, ends, pending):
-    """Workers end a round at ``ends`` (relative to where each started); then the eager outer step."""
+def _eager_strategy(theta):
+    """The eager strategy over two in-process workers, outer SGD lr 1 without momentum."""
+    config = build_config(overrides=["method=diloco", "outer.overlap=eager", "outer.lr=1.0", "outer.momentum=0.0"])
+    trainer = Trainer(0, theta, [0, 1], 1, 1.0, 0.0, False, BatchSizeController(test="constant", b_cap=1))
+    comm = LocalCommunicator()
+    slots = {0: _Slot(theta), 1: _Slot(theta)}
+    sync = OverlappedSync(config, comm, {0: trainer}, slots, DeltaExchange(comm, None, False, [0, 1]), eager=True)
+    return trainer, sync, slots
+
+
+def _round(sync, slots, ends):
+    """Workers end a round at ``ends`` (relative to where each started); then the eager round boundary."""
     for worker_id, slot in slots.items():
         slot.params[0].add_(torch.tensor([ends[worker_id]]))
-    arrived = pending.wait() if pending is not None else None
-    bases = {w: s.eager.theta for w, s in slots.items()}
-    future = trainer.send_fragment(0, comm, slots, bases=bases)
-    fresh = {w: [(s.eager.theta[0] - s.params[0]) / len(slots)] for w, s in slots.items()}
-    trainer.apply_overlapped(arrived, fresh, slots)
-    return future
+    state = RoundState(index=0, steps=1, first_step=0, statistics_due=False)
+    state.local = {w: WorkerRound(steps=[StepRecord(loss=1.0, tokens=1, finite=True)]) for w in slots}
+    sync.end_of_round(state)
 
 
 def test_eager_outer_steps_by_hand():
     """Two workers, scalar θ₀ = 0, outer SGD lr 1: each worker swaps its stale share for its fresh one."""
-    theta = [torch.zeros(1)]
-    trainer = Trainer(0, theta, [0, 1], 1, 1.0, 0.0, False, BatchSizeController(test="constant", b_cap=1))
-    comm = LocalCommunicator()
-    comm.set_placement({0: 0, 1: 0})
-    comm.register_group([0, 1])
-    slots = {0: _Slot(theta, 1.0), 1: _Slot(theta, 1.0)}
+    trainer, sync, slots = _eager_strategy([torch.zeros(1)])
     # Round 1: Δ = 2 and 4; nothing has arrived yet, each worker applies only its own share (1 and 2).
-    pending = _round(trainer, comm, slots, {0: -2.0, 1: -4.0}, None)
+    _round(sync, slots, {0: -2.0, 1: -4.0})
     assert trainer.theta[0].item() == 0.0
     assert [slots[w].params[0].item() for w in (0, 1)] == [-1.0, -2.0]
     # Round 2: Δ = 1 and 3 from their own starts; round 1's mean 3 arrives and θ takes it.
-    pending = _round(trainer, comm, slots, {0: -1.0, 1: -3.0}, pending)
+    _round(sync, slots, {0: -1.0, 1: -3.0})
     assert trainer.theta[0].item() == -3.0
     # worker 0: 3 − 1 + 0.5 = 2.5 from −1; worker 1: 3 − 2 + 1.5 = 2.5 from −2
     assert [slots[w].params[0].item() for w in (0, 1)] == [-3.5, -4.5]
-    trainer.apply_fragment(0, pending.wait(), slots, alpha=0.0)  # end of training: the last mean lands
+    sync.flush()  # end of training: the last mean lands
     assert trainer.theta[0].item() == -5.0
 
 

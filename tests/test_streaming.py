@@ -1,4 +1,4 @@
-"""Streaming DiLoCo and quantized exchange in the engine (DESIGN §5 vectors 7 and 8, end to end)."""
+"""Streaming DiLoCo and quantized exchange in the engine (test vectors 7 and 8 of docs/design.md, end to end)."""
 
 import pytest
 import torch

@@ -29,13 +29,16 @@ def test_bytes_counted_from_reduced_tensors(fast_overrides):
     params = sum(t.numel() for t in final_params(diloco.run_dir).values())
     diloco_rounds = [r for r in read_metrics(diloco.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     ddp_rounds = [r for r in read_metrics(ddp.run_dir / "metrics.jsonl") if r["kind"] == "round"]
-    # 2 workers each send one fp32 pseudo-gradient per round, plus three float64 scalars (loss, tokens,
-    # health) per step and, once at start-up, every worker's b_max (one float64 each)
-    loss_bytes = 2 * 3 * 8 * diloco_rounds[0]["steps"]
-    assert diloco_rounds[0]["bytes"] == 2 * 4 * params + loss_bytes + 2 * 8
-    # DDP sends a full gradient from every worker at every step, and no pseudo-gradient
+    # 2 workers each send one fp32 pseudo-gradient per round with their round report in the same collective
+    # (float64: out flag, b_max, 5 statistics, then loss, tokens and health of each step) and, once at
+    # start-up, every worker's b_max (one float64 each)
+    report_bytes = 2 * 8 * (7 + 3 * diloco_rounds[0]["steps"])
+    assert diloco_rounds[0]["bytes"] == 2 * 4 * params + report_bytes + 2 * 8
+    assert [r["exchanges"] for r in diloco_rounds] == [2] + [1] * (len(diloco_rounds) - 1)  # + the handshake
+    # DDP sends a full gradient from every worker at every step, each with a one-step report, and no Δ
     assert ddp_rounds[0]["steps"] == diloco_rounds[0]["steps"]
-    assert ddp_rounds[0]["bytes"] == ddp_rounds[0]["steps"] * (2 * 4 * params + 2 * 3 * 8) + 2 * 8
+    assert ddp_rounds[0]["bytes"] == ddp_rounds[0]["steps"] * (2 * 4 * params + 2 * 8 * (7 + 3)) + 2 * 8
+    assert [r["exchanges"] for r in ddp_rounds][1:] == [r["steps"] for r in ddp_rounds][1:]
 
 
 @pytest.mark.parametrize("method", ["ddp", "diloco"])

@@ -3,18 +3,31 @@ import copy
 import pytest
 import torch
 
+from adloco.algorithms.switch import plan_micro_batches, split_evenly
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
 from adloco.model import build_model, preset_config
-from adloco.worker import Worker, split_evenly
+from adloco.worker import Worker
 
 
-def _worker(b_max=64, switch_factor=2.0, seed=0):
-    config = preset_config("tiny", 256, context=16)
-    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 32, 64, 2
-    model = build_model(config, 0)
-    tokens = torch.randint(0, 256, (4000,), generator=torch.Generator().manual_seed(1))
-    return Worker(0, model, InnerConfig(), TokenStream(tokens, 16, seed), b_max, switch_factor)
+class _Slot:
+    """A worker with the b_max and switch factor its cluster would plan its steps with."""
+
+    def __init__(self, b_max=64, switch_factor=2.0, seed=0):
+        config = preset_config("tiny", 256, context=16)
+        config.hidden_size, config.intermediate_size, config.num_hidden_layers = 32, 64, 2
+        model = build_model(config, 0)
+        tokens = torch.randint(0, 256, (4000,), generator=torch.Generator().manual_seed(1))
+        self.worker = Worker(0, model, InnerConfig(), TokenStream(tokens, 16, seed))
+        self.b_max, self.switch_factor = b_max, switch_factor
+        self.params, self.model, self.stream = self.worker.params, self.worker.model, self.worker.stream
+
+    def compute_gradients(self, b_req, **kwargs):
+        samples = plan_micro_batches(b_req, self.b_max, self.switch_factor).samples
+        return self.worker.compute_gradients(samples, self.b_max, **kwargs)
+
+
+_worker = _Slot
 
 
 def _grads(worker):
@@ -74,7 +87,7 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_step(monkeypatch):
     monkeypatch.setattr(type(worker.model), "forward", forward)
     stream_before = copy.deepcopy(worker.stream.state_dict())
     result = worker.compute_gradients(16)
-    assert worker.b_max == 4 and result.samples == 16
+    assert result.b_max == 4 and result.samples == 16
     assert calls == [16, 8, 4, 4, 4, 4]
     assert torch.allclose(_grads(reference), _grads(worker), atol=1e-6, rtol=1e-4)
     fresh = _worker()

@@ -1,4 +1,4 @@
-"""All trainers and their workers: placement of worker slots, one round of training, merges."""
+"""All trainers and their workers: placement of worker slots, the round loop of inner steps, merges."""
 
 from __future__ import annotations
 
@@ -9,21 +9,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.futures import Future
 
-from adloco.algorithms.batch_tests import BatchSizeController
-from adloco.algorithms.codecs import ErrorFeedback, get_codec
+from adloco.algorithms.batch_tests import BatchSizeController, average_statistics
 from adloco.algorithms.fragments import assign_fragments
 from adloco.algorithms.merge import merge_weights, merged_batch_size, select_merge_group, weighted_average
-from adloco.algorithms.outer import worker_delta
-from adloco.algorithms.schedules import fragments_sending_at
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
+from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build_strategy
+from adloco.sync.rounds import SKIPPED_STEP
 from adloco.tasks import Task
 from adloco.trainer import Trainer
-from adloco.worker import EagerCopy, Worker
+from adloco.worker import StepResult, Worker
 
 log = logging.getLogger(__name__)
 
@@ -45,22 +43,28 @@ class MergeEvent:
 
 
 @dataclass
-class StepReport:
+class StepProgress:
+    """What this rank knows right after an inner step, before the round's exchange: its own workers' mean
+    loss and the tokens the plans say the step reads (for progress display only)."""
+
     step: int
     lr: float
-    loss: dict[int, float]
+    loss: float
     tokens: int
 
 
 @dataclass
 class RoundReport:
+    """A finished round, the same on every rank: per-step losses and tokens of every trainer, failures."""
+
     steps: int
     tokens: int
     loss: dict[int, float] = field(default_factory=dict)
+    step_loss: list[dict[int, float]] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
     batch: dict[int, dict] = field(default_factory=dict)
     failed: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
-    ddp_failed: set[int] = field(default_factory=set)
 
 
 def rank_placement(total_workers: int, world_size: int, slots_per_rank: int | None) -> dict[int, int]:
@@ -105,7 +109,8 @@ def resolve_b_max(
 
 
 class Cluster:
-    """The trainers and the worker slots this rank hosts; every rank runs the same rounds in lockstep."""
+    """The trainers and the worker slots this rank hosts. Every rank runs the same rounds; when ranks meet
+    is the sync strategy's business (``adloco.sync``), chosen once from the config."""
 
     def __init__(
         self,
@@ -119,93 +124,78 @@ class Cluster:
         self.comm = comm
         self.task = task
         self.context = task.context
-        batch = config.batch
-        self.collect_statistics = config.method == "adloco" or batch.test != "constant"
         self.device = device or torch.device("cpu")
-        b_max = None
+        self.collect_statistics = config.method == "adloco" or config.batch.test != "constant"
         self.trainers: dict[int, Trainer] = {}
         self.workers: dict[int, Worker] = {}
-        layout = placement(config.trainers, config.workers)
         self.worker_rank = rank_placement(config.total_workers, comm.world_size, config.slots_per_rank)
         comm.set_placement(self.worker_rank)
-        codec = None if config.codec.name == "none" else get_codec(config.codec.name, config.codec.block_size)
-        self.streaming = config.method == "streaming"
-        fragments = None
+        template, b_max = self._build(placement(config.trainers, config.workers))
+        self.param_names = [name for name, _ in template.named_parameters()]
+        self.sync: SyncStrategy = build_strategy(config, comm, self.trainers, self.workers)
+        # b_max is per worker device, and this table is its one owner: every rank learns every worker's, so all
+        # plan the same token budget; an out-of-memory retry lowers it and the round's reports spread the news.
+        shared = comm.gather_worker_scalars({w: [float(b_max)] for w in self.workers})
+        self.b_max = {w: int(v[0]) for w, v in shared.items()}
+
+    def _build(self, layout: dict[int, list[int]]) -> tuple[torch.nn.Module, int]:
+        """Trainers from their initial models, and the worker slots this rank hosts."""
+        config, task = self.config, self.task
+        b_max, fragments = None, None
         for trainer_id, worker_ids in layout.items():
-            init_seed = config.seed if config.merge.shared_init else config.seed + trainer_id
-            template = task.build_model(init_seed)
+            template = task.build_model(config.seed if config.merge.shared_init else config.seed + trainer_id)
             if b_max is None:
                 b_max = resolve_b_max(config, template.to(self.device), self.context, task.vocab_size, task)
                 template = template.cpu()
-            if self.streaming and fragments is None:
-                names = [name for name, _ in template.named_parameters()]
-                stream_config = config.streaming
-                try:
-                    fragments = assign_fragments(
-                        names, stream_config.fragments, stream_config.assignment, stream_config.shared
-                    )
-                except ValueError as error:
-                    raise ConfigError(str(error)) from None
-            controller = BatchSizeController(
-                test=batch.test,
-                eta=batch.eta,
-                theta=batch.theta,
-                nu=batch.nu,
-                ema=batch.ema,
-                b_min=batch.b_min,
-                b_cap=batch.b_cap,
-                allow_shrink=batch.allow_shrink,
-            )
-            self.trainers[trainer_id] = Trainer(
-                trainer_id,
-                [p.detach() for p in template.parameters()],
-                worker_ids,
-                batch_size=batch.size,
-                outer_lr=config.outer.lr,
-                outer_momentum=config.outer.momentum,
-                nesterov=bool(config.outer.nesterov),
-                controller=controller,
-                fragments=fragments,
-                codec=codec,
-            )
-            comm.register_group(worker_ids)
+                fragments = parameter_fragments(config, [name for name, _ in template.named_parameters()])
+            self.trainers[trainer_id] = self._trainer(trainer_id, template, worker_ids, fragments)
+            self.comm.register_group(worker_ids)
             for worker_id in worker_ids:
-                if self.worker_rank[worker_id] != comm.rank:
-                    continue
-                seed = config.seed * _STREAM_SEED_STRIDE + worker_id
-                stream = task.stream(seed, worker=worker_id, workers=config.total_workers)
-                self.workers[worker_id] = Worker(
-                    worker_id,
-                    copy.deepcopy(template).to(self.device),
-                    config.inner,
-                    stream,
-                    b_max,
-                    batch.switch_factor,
-                    loss_fn=task.loss,
-                )
-                if codec is not None and config.codec.error_feedback:
-                    self.workers[worker_id].error_feedback = ErrorFeedback()
+                if self.worker_rank[worker_id] == self.comm.rank:
+                    self.workers[worker_id] = self._worker(worker_id, template)
             self.trainers[trainer_id].broadcast(self.workers)
-            if config.outer.overlap == "eager":
-                for worker_id in worker_ids:
-                    if worker_id in self.workers:
-                        self.workers[worker_id].eager = EagerCopy(
-                            self.trainers[trainer_id].theta,
-                            config.outer.lr,
-                            config.outer.momentum,
-                            bool(config.outer.nesterov),
-                        )
-        self.param_names = [name for name, _ in template.named_parameters()]
-        # Exchanges in flight: (trainer, fragment) -> (step at which to apply, future of Δ). Streaming applies
-        # them τ steps after sending; outer.overlap applies fragment 0 (all of θ) at the end of the next round.
-        self.pending: dict[tuple[int, int], tuple[int, Future]] = {}
-        self.peak_sync_bytes = 0
-        # b_max is per worker device: every rank learns every worker's, so all plan the same token budget.
-        shared = comm.gather_worker_scalars({w: [float(worker.b_max)] for w, worker in self.workers.items()})
-        self.worker_b_max = {w: int(v[0]) for w, v in shared.items()}
+        assert b_max is not None
+        return template, b_max
+
+    def _trainer(
+        self, trainer_id: int, template: torch.nn.Module, worker_ids: list[int], fragments: list[list[int]] | None
+    ) -> Trainer:
+        config, batch = self.config, self.config.batch
+        controller = BatchSizeController(
+            test=batch.test,
+            eta=batch.eta,
+            theta=batch.theta,
+            nu=batch.nu,
+            ema=batch.ema,
+            b_min=batch.b_min,
+            b_cap=batch.b_cap,
+            allow_shrink=batch.allow_shrink,
+        )
+        return Trainer(
+            trainer_id,
+            [p.detach() for p in template.parameters()],
+            worker_ids,
+            batch_size=batch.size,
+            outer_lr=config.outer.lr,
+            outer_momentum=config.outer.momentum,
+            nesterov=bool(config.outer.nesterov),
+            controller=controller,
+            fragments=fragments,
+        )
+
+    def _worker(self, worker_id: int, template: torch.nn.Module) -> Worker:
+        config = self.config
+        stream = self.task.stream(
+            config.seed * _STREAM_SEED_STRIDE + worker_id, worker=worker_id, workers=config.total_workers
+        )
+        model = copy.deepcopy(template).to(self.device)
+        return Worker(worker_id, model, config.inner, stream, loss_fn=self.task.loss)
+
+    def owner(self, worker_id: int) -> Trainer:
+        return next(t for t in self.trainers.values() if worker_id in t.worker_ids)
 
     def worker_plan(self, worker_id: int, b_req: int) -> MicroBatchPlan:
-        return plan_micro_batches(b_req, self.worker_b_max[worker_id], self.config.batch.switch_factor)
+        return plan_micro_batches(b_req, self.b_max[worker_id], self.config.batch.switch_factor)
 
     def plans(self) -> dict[int, MicroBatchPlan]:
         """Each trainer's switch-mode plan for its current b_req (on its first worker's device)."""
@@ -224,175 +214,116 @@ class Cluster:
         round_index: int,
         steps: int,
         lr_at: Callable[[int], float],
-        on_step: Callable[[StepReport], None] | None = None,
+        on_step: Callable[[StepProgress], None] | None = None,
         first_step: int = 0,
     ) -> RoundReport:
-        """H inner steps on every hosted worker, then each trainer's outer step and batch test."""
-        config = self.config
-        stats_due = self.statistics_due(round_index)
-        cross_worker = stats_due and config.batch.estimator == "cross_worker"
-        gram = config.batch.test == "inner_product"
-        owner = {w: t for t in self.trainers.values() for w in t.worker_ids}
-        report = RoundReport(steps=steps, tokens=0)
-        loss_sums = {k: 0.0 for k in self.trainers}
-        failed: set[int] = set()  # workers out of this round after a non-finite loss or gradient
+        """H inner steps on every hosted worker, with the strategy's exchanges where it wants them, then the
+        round boundary: outer steps, batch decisions and, where ranks host different trainers, their state."""
+        state = RoundState(round_index, steps, first_step, self.statistics_due(round_index))
+        state.local = {w: WorkerRound(b_max=self.b_max[w]) for w in self.workers}
+        # The plan (samples per step) is fixed for the round: every rank counts the same budget without asking.
+        samples = {w: self.worker_plan(w, self.owner(w).batch_size).samples for w in self.workers}
+        planned_tokens = self.tokens_per_step()
         for step in range(steps):
             lr = lr_at(step)
-            local: dict[int, list[float]] = {}
-            for worker_id in sorted(self.workers):
-                if worker_id in failed:
-                    local[worker_id] = [math.nan, 0.0, 0.0]
-                    continue
-                trainer = owner[worker_id]
-                result = self.workers[worker_id].compute_gradients(
-                    trainer.batch_size,
-                    stats_groups=config.batch.groups if (stats_due and step == 0 and not cross_worker) else None,
-                    gram=gram,
-                    keep_gradient=cross_worker and step == steps - 1,
-                )
-                if result.statistics is not None and result.finite:
-                    trainer.record_statistics(worker_id, result.statistics)
-                local[worker_id] = [result.loss, float(result.tokens), 1.0 if result.finite else 0.0]
-            # Every rank learns every worker's loss, token count and health: all ranks then agree on the
-            # budget and on who is left out.
-            every = self.comm.gather_worker_scalars(local)
-            step_failed = {w for w, values in every.items() if values[2] == 0.0}
-            if step_failed - failed:
-                log.warning("round %d step %d: non-finite values on workers %s", round_index, step, sorted(step_failed))
-            self._apply_step(lr, step_failed, failed, report)
-            if self.streaming:
-                self._stream(first_step + step + 1, failed)
-            losses = {}
-            for k, t in self.trainers.items():
-                healthy = [every[w][0] for w in t.worker_ids if w not in step_failed]
-                losses[k] = sum(healthy) / len(healthy) if healthy else math.nan
-                loss_sums[k] += losses[k]
-            step_tokens = int(sum(v[1] for v in every.values()))
-            report.tokens += step_tokens
-            if on_step is not None:
-                on_step(StepReport(step=step, lr=lr, loss=losses, tokens=step_tokens))
-        report.failed = sorted(failed | report.ddp_failed)
-        for trainer in self.trainers.values():
-            report.loss[trainer.trainer_id] = loss_sums[trainer.trainer_id] / steps
-            mine = set(trainer.worker_ids)
-            if config.method != "ddp" and mine <= failed:
-                report.skipped.append(trainer.trainer_id)
-            if not any(w in self.workers for w in trainer.worker_ids):
-                continue  # another rank's trainer: its state arrives in synchronize()
-            if config.method == "ddp":
-                trainer.adopt_worker_params(self.workers)
-            elif trainer.trainer_id in report.skipped:
-                log.warning(
-                    "round %d: every worker of trainer %d failed; the round is skipped", round_index, trainer.trainer_id
-                )
-                if config.outer.overlap != "none":
-                    self._overlapped_outer_step(trainer, mine, send=False)
+            self._compute(state, step, samples)
+            stepping = self.sync.after_backward(state, step)
+            for worker_id, worker in self.workers.items():
+                if worker_id in stepping:
+                    worker.step(lr)
                 else:
-                    trainer.broadcast(self.workers)
-            elif config.outer.overlap != "none":
-                self._overlapped_outer_step(trainer, failed & mine)
-            elif not self.streaming:
-                self._count_sync(trainer, 0)
-                trainer.outer_step(self.comm, self.workers, excluded=failed & mine)
-            for worker_id in failed & mine:
-                if worker_id in self.workers:
-                    self.workers[worker_id].reset_optimizer()  # restarts from θ with fresh AdamW moments
-            if stats_due and failed & mine:
-                trainer.pending_statistics = {}  # a partial measurement is not a measurement
-            elif stats_due:
-                statistics = (
-                    trainer.cross_worker_statistics(self.comm, self.workers)
-                    if cross_worker
-                    else trainer.combine_statistics(self.comm)
-                )
-                if statistics is not None:
-                    trainer.decide_batch(statistics)
-        self.synchronize()
-        if stats_due:
+                    worker.optimizer.zero_grad(set_to_none=True)
+            self.sync.after_inner_step(state, step)
+            if on_step is not None:
+                on_step(StepProgress(step=step, lr=lr, loss=_local_loss(state, step), tokens=planned_tokens))
+        self.sync.end_of_round(state)
+        for worker_id in state.out:
+            self.workers[worker_id].reset_optimizer()  # restarts from θ with fresh AdamW moments
+        self._decide_batches(state)
+        self.synchronize(state)
+        self.b_max.update({w: r.b_max for w, r in state.reports.items()})
+        return self._report(state)
+
+    def _compute(self, state: RoundState, step: int, samples: dict[int, int]) -> None:
+        """One inner step's gradients on every hosted worker still in the round."""
+        batch = self.config.batch
+        cross_worker = state.statistics_due and batch.estimator == "cross_worker"
+        for worker_id in sorted(self.workers):
+            record = state.local[worker_id]
+            if record.out:
+                record.steps.append(SKIPPED_STEP)
+                continue
+            result: StepResult = self.workers[worker_id].compute_gradients(
+                samples[worker_id],
+                self.b_max[worker_id],
+                stats_groups=batch.groups if (state.statistics_due and step == 0 and not cross_worker) else None,
+                gram=batch.test == "inner_product",
+                keep_gradient=cross_worker and step == state.steps - 1,
+            )
+            if result.b_max < self.b_max[worker_id]:
+                self.b_max[worker_id] = record.b_max = result.b_max
+            record.steps.append(StepRecord(loss=result.loss, tokens=result.tokens, finite=result.finite))
+            if result.statistics is not None and result.finite:
+                record.statistics = result.statistics
+
+    def _decide_batches(self, state: RoundState) -> None:
+        """The batch test of each trainer this rank takes part in, from the statistics in the round's reports."""
+        if not state.statistics_due:
+            return
+        for trainer in self.sync.taking_part():
+            reports = [state.reports[w] for w in trainer.worker_ids]
+            if any(r.out for r in reports):
+                continue  # a partial measurement is not a measurement
+            if self.config.batch.estimator == "cross_worker":
+                statistics = trainer.cross_worker_statistics(self.comm, self.workers)
+            elif any(r.statistics is None for r in reports):
+                continue
+            else:
+                statistics = average_statistics([r.statistics for r in reports if r.statistics is not None])
+            trainer.decide_batch(statistics)
+
+    def _report(self, state: RoundState) -> RoundReport:
+        """The round in numbers, from every worker's report (so every rank writes the same)."""
+        report = RoundReport(steps=state.steps, tokens=0)
+        for step in range(state.steps):
+            losses = {}
+            for k, trainer in self.trainers.items():
+                healthy = [state.reports[w].steps[step] for w in trainer.worker_ids]
+                finite = [s.loss for s in healthy if s.finite]
+                losses[k] = sum(finite) / len(finite) if finite else math.nan
+            report.step_loss.append(losses)
+            report.step_tokens.append(sum(r.steps[step].tokens for r in state.reports.values()))
+        report.tokens = sum(report.step_tokens)
+        report.loss = {k: sum(losses[k] for losses in report.step_loss) / state.steps for k in self.trainers}
+        report.failed = sorted(w for w, r in state.reports.items() if r.failed)
+        # A trainer made no progress when, at some step, none of its workers had a finite step.
+        report.skipped = [
+            k
+            for k, t in self.trainers.items()
+            if any(not any(state.reports[w].steps[s].finite for w in t.worker_ids) for s in range(state.steps))
+        ]
+        if state.statistics_due:
             report.batch = {
                 k: t.last_decision.to_dict() for k, t in self.trainers.items() if t.last_decision is not None
             }
         return report
 
-    def _apply_step(self, lr: float, step_failed: set[int], failed: set[int], report: RoundReport) -> None:
-        """Optimizer steps. DDP leaves a failed worker out of the average only; the others leave it out of the round."""
-        if self.config.method == "ddp":
-            for trainer in self.trainers.values():
-                if set(trainer.worker_ids) <= step_failed:
-                    report.skipped.append(trainer.trainer_id)
-                    report.ddp_failed |= step_failed
-                    for worker_id in trainer.worker_ids:
-                        if worker_id in self.workers:
-                            self.workers[worker_id].optimizer.zero_grad(set_to_none=True)
-                    continue
-                trainer.average_gradients(self.comm, self.workers, excluded=step_failed)
-                report.ddp_failed |= step_failed & set(trainer.worker_ids)
-                for worker_id in trainer.worker_ids:
-                    if worker_id in self.workers:
-                        self.workers[worker_id].step(lr)
-            return
-        failed |= step_failed
-        for worker_id in sorted(self.workers):
-            if worker_id in failed:
-                self.workers[worker_id].optimizer.zero_grad(set_to_none=True)
-            else:
-                self.workers[worker_id].step(lr)
-
-    def _overlapped_outer_step(self, trainer: Trainer, excluded: set[int], send: bool = True) -> None:
-        """Send this round's Δ without waiting for it; apply the one sent a round ago, which has had a whole
-        round of compute to arrive. A skipped round (``send=False``) only applies what arrives."""
-        key = (trainer.trainer_id, 0)
-        arrived = self.pending.pop(key)[1].wait() if key in self.pending else None
-        hosted = [w for w in trainer.worker_ids if w in self.workers]
-        eager = {w: self.workers[w].eager for w in hosted if self.workers[w].eager is not None}
-        fresh: dict[int, list[torch.Tensor]] = {}
-        if send:
-            bases = {w: copy.theta for w, copy in eager.items()} if eager else None
-            self._count_sync(trainer, 0)
-            future = trainer.send_fragment(0, self.comm, self.workers, excluded=excluded, bases=bases)
-            self.pending[key] = (0, future)
-            healthy = trainer.healthy_count(excluded)
-            fresh = {
-                w: [d.div_(healthy) for d in worker_delta(copy.theta, self.workers[w].params)]
-                for w, copy in eager.items()
-                if w not in excluded
-            }
-        trainer.apply_overlapped(arrived, fresh, self.workers)
-
-    def _count_sync(self, trainer: Trainer, fragment: int) -> None:
-        """Track the largest single exchange: every worker's payload for one fragment."""
-        numel = sum(trainer.theta[i].numel() for i in trainer.fragments[fragment])
-        per_worker = 4 * numel if trainer.codec is None else trainer.codec.encoded_nbytes(numel)
-        self.peak_sync_bytes = max(self.peak_sync_bytes, per_worker * len(trainer.worker_ids))
-
-    def _stream(self, step: int, failed: set[int]) -> None:
-        """Streaming DiLoCo at global inner step ``step``: start due exchanges, apply those τ steps old."""
-        stream = self.config.streaming
-        assert stream.fragments is not None and stream.overlap is not None and stream.alpha is not None
-        for trainer in self.trainers.values():
-            for p in fragments_sending_at(step, self.config.sync_every, stream.fragments):
-                self._count_sync(trainer, p)
-                future = trainer.send_fragment(p, self.comm, self.workers, excluded=failed & set(trainer.worker_ids))
-                self.pending[(trainer.trainer_id, p)] = (step + stream.overlap, future)
-        for key in sorted(k for k, (due, _) in self.pending.items() if due <= step):
-            _, future = self.pending.pop(key)
-            self.trainers[key[0]].apply_fragment(key[1], future.wait(), self.workers, stream.alpha)
-
     def flush(self) -> None:
         """Apply every exchange still in flight (end of training)."""
-        stream = self.config.streaming
-        for key in sorted(self.pending):
-            _, future = self.pending.pop(key)
-            self.trainers[key[0]].apply_fragment(key[1], future.wait(), self.workers, stream.alpha or 0.0)
+        self.sync.flush()
+
+    @property
+    def peak_sync_bytes(self) -> int:
+        return self.sync.peak_sync_bytes
 
     def lead_rank(self, trainer: Trainer) -> int:
         return self.worker_rank[trainer.worker_ids[0]]
 
-    def synchronize(self) -> None:
-        """Give every rank every trainer's state, from the trainer's lead rank.
+    def synchronize(self, state: RoundState | None = None) -> None:
+        """Give every rank every trainer's state (and its workers' round reports), from the trainer's lead rank.
 
         Only needed when some rank hosts none of a trainer's workers (several trainers on several ranks):
-        merges, evaluation and checkpoints then see the same trainers everywhere.
+        merges, evaluation, checkpoints and the token count then agree everywhere.
         """
         if self.comm.world_size == 1 or all(
             set(self.comm.ranks_of(t.worker_ids)) == set(range(self.comm.world_size)) for t in self.trainers.values()
@@ -400,9 +331,16 @@ class Cluster:
             return
         for trainer in self.trainers.values():
             src = self.lead_rank(trainer)
-            meta = self.comm.broadcast_object(trainer.sync_metadata() if self.comm.rank == src else None, src=src)
+            meta = None
+            if self.comm.rank == src:
+                meta = trainer.sync_metadata()
+                if state is not None:
+                    meta["reports"] = {w: state.reports[w].to_tensor() for w in trainer.worker_ids}
+            meta = self.comm.broadcast_object(meta, src=src)
             if self.comm.rank != src:
                 trainer.load_sync_metadata(meta)
+                if state is not None:
+                    state.learn(meta["reports"])
             self.comm.broadcast_tensors(trainer.theta, src)
             buffers = trainer.momentum_buffers()
             if meta["has_momentum"]:
@@ -447,18 +385,18 @@ class Cluster:
 
     def state_dict(self) -> dict | None:
         """The whole cluster's state on rank 0 (None on other ranks); every rank must call it."""
-        gathered = self.comm.gather_objects(
-            {w: worker.state_dict(with_params=self.streaming) for w, worker in self.workers.items()}
-        )
+        gathered = self.comm.gather_objects({w: self._worker_state(w) for w in self.workers})
         if gathered is None:
             return None
-        workers = {w: state for part in gathered for w, state in part.items()}
-        pending = {f"{k}/{p}": {"due": due, "delta": future.wait()} for (k, p), (due, future) in self.pending.items()}
         return {
             "trainers": {k: t.state_dict() for k, t in self.trainers.items()},
-            "workers": workers,
-            "pending": pending,
+            "workers": {w: state for part in gathered for w, state in part.items()},
+            "pending": self.sync.state_dict(),
         }
+
+    def _worker_state(self, worker_id: int) -> dict:
+        inner = self.workers[worker_id].state_dict(with_params=self.sync.saves_worker_params)
+        return {**inner, "b_max": self.b_max[worker_id], **self.sync.worker_state(worker_id)}
 
     def load_state_dict(self, state: dict) -> None:
         saved_trainers = state["trainers"]
@@ -472,9 +410,22 @@ class Cluster:
             trainer.broadcast(self.workers)
         for w, worker in self.workers.items():
             worker.load_state_dict(state["workers"][w])  # streaming: its own parameters replace θ
-        self.pending = {}
-        for key, item in state.get("pending", {}).items():
-            trainer_id, fragment = (int(x) for x in key.split("/"))
-            future: Future = Future()
-            future.set_result(list(item["delta"]))
-            self.pending[(trainer_id, fragment)] = (int(item["due"]), future)
+            self.sync.load_worker_state(w, state["workers"][w])
+        self.b_max.update({int(w): int(s["b_max"]) for w, s in state["workers"].items() if "b_max" in s})
+        self.sync.load_state_dict(state.get("pending", {}))
+
+
+def parameter_fragments(config: TrainConfig, names: list[str]) -> list[list[int]] | None:
+    """The parameter fragments that sync in turn (streaming); None: one fragment, the whole model."""
+    stream = config.streaming
+    if stream.fragments is None or stream.fragments == 1:
+        return None
+    try:
+        return assign_fragments(names, stream.fragments, stream.assignment, stream.shared)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _local_loss(state: RoundState, step: int) -> float:
+    finite = [r.steps[step].loss for r in state.local.values() if r.steps[step].finite]
+    return sum(finite) / len(finite) if finite else math.nan

@@ -1,8 +1,11 @@
-"""docs/configuration.md, generated from the config model so that it cannot drift from the code."""
+"""Generated documentation that cannot drift from the code: docs/configuration.md from the config model, and
+the code map in docs/design.md from the package's module docstrings."""
 
 from __future__ import annotations
 
+import ast
 import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -45,6 +48,31 @@ def configuration_markdown() -> str:
         "| --- | --- | --- | --- |",
     ]
     return "\n".join(header + _rows(TrainConfig)) + "\n"
+
+
+CODE_MAP_BEGIN, CODE_MAP_END = "<!-- code map: begin -->", "<!-- code map: end -->"
+
+
+def _summary(path: Path) -> str:
+    """A module's first docstring sentence (up to its first full stop or colon at a line end)."""
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    text = " ".join(doc.split())
+    for stop in (". ", ".\n"):
+        if stop in text:
+            text = text[: text.index(stop) + 1]
+    return text
+
+
+def code_map() -> str:
+    """Every module of the package with its one-line purpose, in tree order."""
+    package = Path(__file__).resolve().parent
+    lines = [CODE_MAP_BEGIN, "```"]
+    for path in sorted(package.rglob("*.py"), key=lambda p: (p.parent != package, str(p.relative_to(package)))):
+        if path.name == "__main__.py":
+            continue
+        name = str(path.relative_to(package))
+        lines.append(f"{name:<26}{_summary(path)}")
+    return "\n".join([*lines, "```", CODE_MAP_END])
 
 
 if __name__ == "__main__":

@@ -288,10 +288,7 @@ def estimate(
     and DataError when the run has too few rounds to calibrate on. A target the model never reaches is
     returned with ``prediction.reachable`` false (the CLI turns that into an error).
     """
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not math.isfinite(target) or target <= 0:
-        raise ConfigError(f"--target must be a finite loss > 0 (a cross-entropy), got {target!r}")
-    if calibrate_rounds is not None and (isinstance(calibrate_rounds, bool) or calibrate_rounds < MIN_CALIBRATION):
-        raise ConfigError(f"--calibrate-rounds must be an integer >= {MIN_CALIBRATION}, got {calibrate_rounds!r}")
+    _check_arguments(target, calibrate_rounds)
     run_dir = Path(run_dir)
     config, rounds, best = load_rounds(run_dir)
     if trainer is None:
@@ -312,6 +309,31 @@ def estimate(
     last = calibration[-1]
     syncs = _syncs_per_round(config)
     measured = _measured(points, target, syncs)
+    prediction = _predict(config, model, points, last, target, syncs, measured)
+    result: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "method": config.method,
+        "trainer": trainer,
+        "target": target,
+        "rounds_in_run": len(points),
+        "calibration": _calibration_dict(model, window, calibration),
+        "merges_after_calibration": sum(p.merged for p in points[count:]),
+        "prediction": prediction,
+        "measured": measured,
+    }
+    result["relative_error"] = _relative_error(prediction, measured)
+    return result
+
+
+def _check_arguments(target: float, calibrate_rounds: int | None) -> None:
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not math.isfinite(target) or target <= 0:
+        raise ConfigError(f"--target must be a finite loss > 0 (a cross-entropy), got {target!r}")
+    if calibrate_rounds is not None and (isinstance(calibrate_rounds, bool) or calibrate_rounds < MIN_CALIBRATION):
+        raise ConfigError(f"--calibrate-rounds must be an integer >= {MIN_CALIBRATION}, got {calibrate_rounds!r}")
+
+
+def _predict(config, model, points: list[RoundPoint], last: RoundPoint, target: float, syncs: int, measured):
+    """Rounds to the target after the calibration, or the observation when it was reached during it."""
     if measured is not None and measured["round"] <= last.round:
         # Reached inside the calibration rounds: that observation is the answer, nothing is predicted.
         prediction: dict[str, Any] = {
@@ -321,6 +343,7 @@ def estimate(
             **measured,
             "final_batch": next(p.batch for p in points if p.round == measured["round"]),
         }
+        return prediction
     else:
         norm_test = config.batch.test == "norm" and config.batch.b_cap > config.batch.b_min
         path = rounds_to_target(
@@ -338,34 +361,26 @@ def estimate(
             batch_cap=config.batch.b_cap if norm_test else None,
             max_rounds=HORIZON * len(points),
         )
-        prediction = _prediction_dict(path, last, syncs)
-    result: dict[str, Any] = {
-        "run_dir": str(run_dir),
-        "method": config.method,
-        "trainer": trainer,
-        "target": target,
-        "rounds_in_run": len(points),
-        "calibration": {
-            "rounds": count,
-            "first_round": calibration[0].round,
-            "last_round": last.round,
-            "loss_start": calibration[0].loss,
-            "loss_end": last.loss,
-            "fit_first_round": window[0].round,
-            "scale": model.scale,
-            "slope": model.slope,
-            "reference_loss": model.ref_loss,
-            "grad_norm_sq": model.ref_grad_norm_sq,
-            "sample_variance": model.sample_variance,
-            "noise_scale": model.sample_variance / model.ref_grad_norm_sq,
-            "merges": sum(p.merged for p in calibration),
-        },
-        "merges_after_calibration": sum(p.merged for p in points[count:]),
-        "prediction": prediction,
-        "measured": measured,
+        return _prediction_dict(path, last, syncs)
+
+
+def _calibration_dict(model, window, calibration: list[RoundPoint]) -> dict[str, Any]:
+    last = calibration[-1]
+    return {
+        "rounds": len(calibration),
+        "first_round": calibration[0].round,
+        "last_round": last.round,
+        "loss_start": calibration[0].loss,
+        "loss_end": last.loss,
+        "fit_first_round": window[0].round,
+        "scale": model.scale,
+        "slope": model.slope,
+        "reference_loss": model.ref_loss,
+        "grad_norm_sq": model.ref_grad_norm_sq,
+        "sample_variance": model.sample_variance,
+        "noise_scale": model.sample_variance / model.ref_grad_norm_sq,
+        "merges": sum(p.merged for p in calibration),
     }
-    result["relative_error"] = _relative_error(prediction, measured)
-    return result
 
 
 def _prediction_dict(path: RoundsPrediction, last: RoundPoint, syncs: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from adloco.algorithms.batch_tests import BatchSizeController, statistics_from_gram
+from adloco.algorithms.batch_tests import BatchSizeController, GradientStatistics, statistics_from_gram
 from adloco.algorithms.noise import batch_deviations, gram_of_rows, predicted_deviation, simple_noise_scale
 from adloco.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, read_manifest
 from adloco.config import ConfigError, TrainConfig
@@ -278,11 +278,46 @@ def _analyze(
 ) -> dict[str, Any]:
     model, task, source = load_parameters(run_dir, config, checkpoint, trainer)
     model = model.float().eval()
-    context = task.context
     parameters = sum(p.numel() for p in model.parameters())
     _check_memory(samples, parameters)
-    batch = draw_samples(task, samples, seed)
+    gram, stats, mean_check = _sample_statistics(model, task, draw_samples(task, samples, seed), samples)
+    deviations, rows_out = _deviation_rows(gram, stats, batch_sizes, repeats, seed, samples)
+    unbiased = stats.unbiased_grad_norm_sq
+    report: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "task": task.name,
+        "source": {"kind": source.kind, "round": source.round, "trainer": source.trainer},
+        "samples": samples,
+        "seed": seed,
+        "context": task.context,
+        "parameters": parameters,
+        "grad_norm_sq": stats.grad_norm_sq,
+        "unbiased_grad_norm_sq": unbiased,
+        "trace_cov": stats.sample_variance,
+        "ip_variance": stats.ip_variance,
+        "orth_variance": stats.orth_variance,
+        "noise_scale": simple_noise_scale(stats.sample_variance, stats.grad_norm_sq),
+        "noise_scale_unbiased": (stats.sample_variance / unbiased if unbiased > 0 else math.inf),
+        "mean_gradient_check": mean_check,
+        **_batch_test_requests(stats, config, source.workers),
+        "b_bounds": [config.batch.b_min, config.batch.b_cap],
+        "run_batch": source.run_batch,
+        "run_batch_test": _run_batch_test(run_dir, source),
+        "batch_sizes": rows_out,
+    }
+    out_dir = out_dir or run_dir / "gradients"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = write_plots(out_dir, deviations, report) if plots else []
+    report["files"] = [str(p) for p in [out_dir / REPORT_FILE, *files]]
+    (out_dir / REPORT_FILE).write_text(json.dumps(_finite(report), indent=2) + "\n")
+    return report
 
+
+def _sample_statistics(
+    model: torch.nn.Module, task: Task, batch: tuple, samples: int
+) -> tuple[torch.Tensor, GradientStatistics, float]:
+    """Gram matrix and exact statistics of the per-sample gradients, and how far their mean is from the
+    whole-batch gradient (relative squared error; it should be rounding only)."""
     rows = per_sample_gradients(model, task.loss, batch)
     gram = gram_of_rows(rows)
     # Both tasks' losses are means over equal-weight samples (an lm window always holds `context` targets),
@@ -294,12 +329,15 @@ def _analyze(
     mean_check = float(((batch_grad - mean_grad) ** 2).sum() / (mean_grad**2).sum())
     model.zero_grad(set_to_none=True)
     del rows
-
     stats = statistics_from_gram(gram, [1] * samples)
     if stats.grad_norm_sq <= 0.0:
         raise CheckpointError("the mean gradient over the samples is exactly zero; nothing to compare against")
+    return gram, stats, mean_check
+
+
+def _batch_test_requests(stats: GradientStatistics, config: TrainConfig, workers: int) -> dict[str, Any]:
+    """What the norm and augmented inner-product tests would ask for at these statistics."""
     batch_config = config.batch
-    workers = source.workers
     norm = BatchSizeController(
         "norm", eta=batch_config.eta, b_min=batch_config.b_min, b_cap=batch_config.b_cap, allow_shrink=True
     ).decide(stats, workers, batch_config.b_min)
@@ -311,7 +349,35 @@ def _analyze(
         b_cap=batch_config.b_cap,
         allow_shrink=True,
     ).decide(stats, workers, batch_config.b_min)
+    return {
+        "norm_test": {
+            "eta": batch_config.eta,
+            "workers": workers,
+            "raw_request": norm.raw_request,
+            "b_req": norm.b_req,
+            "noise_dominated": norm.noise_dominated,
+        },
+        "inner_product_test": {
+            "theta": batch_config.theta,
+            "nu": batch_config.nu,
+            "workers": workers,
+            "ip_request": inner.ip_request,
+            "orth_request": inner.orth_request,
+            "raw_request": inner.raw_request,
+            "b_req": inner.b_req,
+        },
+    }
 
+
+def _deviation_rows(
+    gram: torch.Tensor,
+    stats: GradientStatistics,
+    batch_sizes: list[int] | tuple[int, ...],
+    repeats: int,
+    seed: int,
+    samples: int,
+) -> tuple[dict[int, torch.Tensor], list[dict[str, Any]]]:
+    """Measured against predicted batch-gradient deviation for each batch size."""
     generator = torch.Generator().manual_seed(seed + 1)
     deviations: dict[int, torch.Tensor] = {}
     rows_out = []
@@ -332,52 +398,7 @@ def _analyze(
                 "median_relative_norm": float(values.sqrt().median()),
             }
         )
-
-    unbiased = stats.unbiased_grad_norm_sq
-    last_test = _run_batch_test(run_dir, source)
-    report: dict[str, Any] = {
-        "run_dir": str(run_dir),
-        "task": task.name,
-        "source": {"kind": source.kind, "round": source.round, "trainer": source.trainer},
-        "samples": samples,
-        "seed": seed,
-        "context": context,
-        "parameters": parameters,
-        "grad_norm_sq": stats.grad_norm_sq,
-        "unbiased_grad_norm_sq": unbiased,
-        "trace_cov": stats.sample_variance,
-        "ip_variance": stats.ip_variance,
-        "orth_variance": stats.orth_variance,
-        "noise_scale": simple_noise_scale(stats.sample_variance, stats.grad_norm_sq),
-        "noise_scale_unbiased": (stats.sample_variance / unbiased if unbiased > 0 else math.inf),
-        "mean_gradient_check": mean_check,
-        "norm_test": {
-            "eta": batch_config.eta,
-            "workers": workers,
-            "raw_request": norm.raw_request,
-            "b_req": norm.b_req,
-            "noise_dominated": norm.noise_dominated,
-        },
-        "inner_product_test": {
-            "theta": batch_config.theta,
-            "nu": batch_config.nu,
-            "workers": workers,
-            "ip_request": inner.ip_request,
-            "orth_request": inner.orth_request,
-            "raw_request": inner.raw_request,
-            "b_req": inner.b_req,
-        },
-        "b_bounds": [batch_config.b_min, batch_config.b_cap],
-        "run_batch": source.run_batch,
-        "run_batch_test": last_test,
-        "batch_sizes": rows_out,
-    }
-    out_dir = out_dir or run_dir / "gradients"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = write_plots(out_dir, deviations, report) if plots else []
-    report["files"] = [str(p) for p in [out_dir / REPORT_FILE, *files]]
-    (out_dir / REPORT_FILE).write_text(json.dumps(_finite(report), indent=2) + "\n")
-    return report
+    return deviations, rows_out
 
 
 def _run_batch_test(run_dir: Path, source: Source) -> dict | None:

@@ -7,9 +7,8 @@ import logging
 import math
 import os
 import shutil
-import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from adloco.checkpoint import (
     save_checkpoint,
     write_failure,
 )
-from adloco.cluster import Cluster, StepReport
+from adloco.cluster import Cluster, MergeEvent, RoundReport, StepProgress
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.comm.distributed import (
     DistributedCommunicator,
@@ -53,9 +52,6 @@ from adloco.tracking import check_trackers, open_trackers
 log = logging.getLogger("adloco")
 
 JOBS_DIR = ".jobs"  # under run.root: one pointer file per torchrun job, naming the run directory it trains
-# Test-only fault injection: the rank ADLOCO_FAULT_RANK (default 0) SIGKILLs itself after its first inner step of
-# round ADLOCO_FAULT_AT_ROUND, in the first attempt of a job only, so that tests can exercise torchrun restarts.
-FAULT_ROUND_ENV, FAULT_RANK_ENV = "ADLOCO_FAULT_AT_ROUND", "ADLOCO_FAULT_RANK"
 
 
 class NonFiniteError(RuntimeError):
@@ -237,18 +233,6 @@ def _prepare_run_dir(config: TrainConfig, resume: Path | None, again: Path | Non
     return run_dir
 
 
-def _fault_round(rank: int) -> int | None:
-    """The round at which this rank kills itself (test-only fault injection), or None."""
-    value = os.environ.get(FAULT_ROUND_ENV)
-    if value is None or restart_attempt() > 0:
-        return None
-    try:
-        fault_round, fault_rank = int(value), int(os.environ.get(FAULT_RANK_ENV, "0"))
-    except ValueError:
-        raise ConfigError(f"{FAULT_ROUND_ENV} and {FAULT_RANK_ENV} must be integers") from None
-    return fault_round if fault_rank == rank else None
-
-
 def train(
     config: TrainConfig,
     resume: Path | None = None,
@@ -353,16 +337,70 @@ def _announce_restart(plan: str, run_dir: Path, checkpoint: dict | None, console
     console.print(f"adloco: {message}", markup=False, highlight=False, soft_wrap=True)
 
 
-def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, console, comm, device) -> TrainResult:
-    is_root = comm.rank == 0
-    cluster = Cluster(config, run_task, comm, device)
-    context = cluster.context
-    eval_model = run_task.build_model(config.seed).to(device) if is_root else None
-    classification = config.task == "classification"
-    last_accuracy: dict[int, float] = {}
+@dataclass
+class _Run:
+    """What the parts of the round loop share."""
 
+    config: TrainConfig
+    run_dir: Path
+    task: Task
+    comm: Communicator
+    device: torch.device
+    cluster: Cluster
+    counters: dict
+    metrics: MetricsWriter | None
+    eval_model: torch.nn.Module | None
+    started: float
+    last_val: dict[int, float] = field(default_factory=dict)
+    last_accuracy: dict[int, float] = field(default_factory=dict)
+    failed_streak: int = 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.comm.rank == 0
+
+
+@dataclass
+class _RoundPlan:
+    """A round before it runs: its length, its switch-mode plans and the inner lr of each step."""
+
+    index: int
+    steps: int
+    first_step: int
+    tokens_before: int
+    per_step: int
+    plans: dict
+    started: float
+
+    def lr_at(self, config: TrainConfig, step: int) -> float:
+        fraction = (self.tokens_before + step * self.per_step) / config.total_tokens
+        inner = config.inner
+        return inner_lr(self.first_step + step, fraction, inner.lr, inner.min_lr, inner.warmup_steps)
+
+
+def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, console, comm, device) -> TrainResult:
+    run = _restore(config, run_dir, run_task, checkpoint, comm, device)
+    progress = make_progress(console, config.run.progress and run.is_root)
+    with progress:
+        bar = progress.add_task(config.method, total=config.total_tokens, completed=run.counters["tokens"], status="")
+        while run.counters["tokens"] < config.total_tokens:
+            plan = _plan_round(run)
+            report = run.cluster.run_round(
+                plan.index,
+                plan.steps,
+                lambda step, plan=plan: plan.lr_at(config, step),
+                lambda step, plan=plan: _show_step(run, plan, step, progress, bar),
+                first_step=plan.first_step,
+            )
+            _finish_round(run, plan, report)
+            progress.update(bar, completed=min(run.counters["tokens"], config.total_tokens))
+    return _finish(run, tokenizer_info)
+
+
+def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> _Run:
+    """The cluster, from the checkpoint when resuming; the metrics writer and trackers on rank 0."""
+    cluster = Cluster(config, run_task, comm, device)
     counters = {"round": 0, "tokens": 0, "step": 0, "bytes": 0, "seconds": 0.0}
-    fault_round = _fault_round(comm.rank)
     if checkpoint is not None:
         try:
             cluster.load_state_dict(checkpoint["cluster"])
@@ -387,172 +425,230 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
             config.workers,
             config.sync_every,
             sum(t.numel() for t in next(iter(cluster.trainers.values())).theta),
-            context,
+            cluster.context,
             config.total_tokens,
             comm.world_size,
         )
-    metrics = (
-        MetricsWriter(
-            run_dir / "metrics.jsonl",
-            resume_round=counters["round"] - 1 if checkpoint else None,
-            # Trackers hide their points after the checkpoint's inner step (all of them when starting over).
-            trackers=open_trackers(
-                config.run.trackers,
-                run_dir,
-                project=config.run.project,
-                config=config.model_dump(mode="json"),
-                resume_step=counters["step"],
-            ),
-        )
-        if is_root
-        else None
+    is_root = comm.rank == 0
+    return _Run(
+        config=config,
+        run_dir=run_dir,
+        task=run_task,
+        comm=comm,
+        device=device,
+        cluster=cluster,
+        counters=counters,
+        metrics=_open_metrics(config, run_dir, counters, checkpoint is not None) if is_root else None,
+        eval_model=run_task.build_model(config.seed).to(device) if is_root else None,
+        started=time.perf_counter() - counters["seconds"],
     )
-    total = config.total_tokens
-    started = time.perf_counter() - counters["seconds"]
-    last_val: dict[int, float] = {}  # updated in place: the step callback reads it
-    failed_streak = 0
-    progress = make_progress(console, config.run.progress and is_root)
-    with progress:
-        task = progress.add_task(config.method, total=total, completed=counters["tokens"], status="")
-        while counters["tokens"] < total:
-            round_index = counters["round"]
-            round_start = time.perf_counter()
-            per_step = cluster.tokens_per_step()
-            plans = cluster.plans()
-            for k, plan in plans.items():
-                if plan.mode != "single":
-                    log.info(
-                        "round %d trainer %d: b_req %d, b_max %d -> %s plan %s",
-                        round_index,
-                        k,
-                        cluster.trainers[k].batch_size,
-                        cluster.worker_b_max[cluster.trainers[k].worker_ids[0]],
-                        plan.mode,
-                        plan.sizes,
-                    )
-            batch_label = ",".join(str(t.batch_size) for t in cluster.trainers.values())
-            steps = min(config.sync_every, math.ceil((total - counters["tokens"]) / per_step))
-            first_step, tokens_before = counters["step"], counters["tokens"]
 
-            def lr_at(step: int, first_step=first_step, tokens_before=tokens_before, per_step=per_step) -> float:
-                fraction = (tokens_before + step * per_step) / total
-                inner = config.inner
-                return inner_lr(first_step + step, fraction, inner.lr, inner.min_lr, inner.warmup_steps)
 
-            def on_step(report: StepReport, round_index=round_index, batch_label=batch_label) -> None:
-                counters["step"] += 1
-                if round_index == fault_round:
-                    os.kill(os.getpid(), signal.SIGKILL)  # test-only fault injection: die like a crashed node
-                counters["tokens"] += report.tokens
-                if metrics is None:
-                    return
-                metrics.write(
-                    "step",
-                    round=round_index,
-                    step=counters["step"],
-                    loss=report.loss,
-                    lr=report.lr,
-                    tokens=counters["tokens"],
-                )
-                mean_loss = sum(report.loss.values()) / len(report.loss)
-                val = f" val {min(last_val.values()):.3f}" if last_val else ""
-                progress.update(
-                    task,
-                    completed=min(counters["tokens"], total),
-                    status=f"round {round_index + 1} · {len(report.loss)} trainer(s) b={batch_label} · "
-                    f"loss {mean_loss:.3f}{val}",
-                )
+def _open_metrics(config: TrainConfig, run_dir: Path, counters: dict, resumed: bool) -> MetricsWriter:
+    return MetricsWriter(
+        run_dir / "metrics.jsonl",
+        resume_round=counters["round"] - 1 if resumed else None,
+        # Trackers hide their points after the checkpoint's inner step (all of them when starting over).
+        trackers=open_trackers(
+            config.run.trackers,
+            run_dir,
+            project=config.run.project,
+            config=config.model_dump(mode="json"),
+            resume_step=counters["step"],
+        ),
+    )
 
-            report = cluster.run_round(round_index, steps, lr_at, on_step, first_step=first_step)
-            failed_streak = failed_streak + 1 if report.skipped else 0
-            merge = cluster.maybe_merge(round_index)
-            comm_stats = comm.stats.take()
-            per_rank = comm.gather_objects(
-                (comm_stats.bytes_sent, comm_stats.wire_bytes, comm_stats.seconds, memory_snapshot(device))
+
+def _plan_round(run: _Run) -> _RoundPlan:
+    """How many steps the next round takes (H, or fewer to end on the budget) and its micro-batch plans."""
+    cluster, counters, config = run.cluster, run.counters, run.config
+    per_step = cluster.tokens_per_step()
+    plans = cluster.plans()
+    for k, plan in plans.items():
+        if plan.mode != "single":
+            trainer = cluster.trainers[k]
+            log.info(
+                "round %d trainer %d: b_req %d, b_max %d -> %s plan %s",
+                counters["round"],
+                k,
+                trainer.batch_size,
+                cluster.b_max[trainer.worker_ids[0]],
+                plan.mode,
+                plan.sizes,
             )
-            # Each rank counts the payloads of the workers it hosts; rank 0 adds them up for the job.
-            round_bytes = sum(p[0] for p in per_rank) if per_rank else comm_stats.bytes_sent
-            counters["bytes"] += round_bytes
-            counters["round"] = round_index + 1
-            finished = counters["tokens"] >= total
-            if finished:
-                cluster.flush()  # streaming: exchanges still in flight count towards the final θ
-            evaluated = (round_index + 1) % config.eval.every == 0 or finished
-            eval_started = time.perf_counter()
-            if evaluated and is_root:
-                last_val.clear()
-                periodic = {
-                    k: run_task.evaluate(eval_model, t.theta, config.eval.blocks) for k, t in cluster.trainers.items()
-                }
-                last_val.update({k: e.loss for k, e in periodic.items()})
-                last_accuracy = {k: e.accuracy for k, e in periodic.items() if e.accuracy is not None}
-            # Benchmarks subtract it: the periodic evaluation is part of `seconds` but not of training.
-            eval_seconds = time.perf_counter() - eval_started
-            counters["seconds"] = time.perf_counter() - started
-            if metrics is not None:
-                metrics.write(
-                    "round",
-                    round=round_index,
-                    steps=steps,
-                    tokens=counters["tokens"],
-                    train_loss=report.loss,
-                    val_loss=dict(last_val) if evaluated else None,
-                    **({"val_accuracy": dict(last_accuracy) if evaluated else None} if classification else {}),
-                    bytes=round_bytes,
-                    bytes_total=counters["bytes"],
-                    comm_seconds=comm_stats.seconds,
-                    ranks=[
-                        {"rank": r, "payload_bytes": p, "wire_bytes": w, "comm_seconds": t}
-                        for r, (p, w, t, _) in enumerate(per_rank)
-                    ],
-                    memory=[{"rank": r, **entry[3]} for r, entry in enumerate(per_rank)],
-                    step=counters["step"],
-                    tokens_per_second=(
-                        (counters["tokens"] - tokens_before) / max(time.perf_counter() - round_start, 1e-9)
-                    ),
-                    round_seconds=time.perf_counter() - round_start,
-                    eval_seconds=eval_seconds,
-                    seconds=counters["seconds"],
-                    batch={k: t.batch_size for k, t in cluster.trainers.items()},
-                    batch_test=report.batch or None,
-                    plan={
-                        k: {"micro": p.micro, "accum": p.accum, "samples": p.samples, "mode": p.mode}
-                        for k, p in plans.items()
-                    },
-                    workers={k: len(t.worker_ids) for k, t in cluster.trainers.items()},
-                    merge=merge.to_dict() if merge else None,
-                    peak_sync_bytes=cluster.peak_sync_bytes,
-                    failed_workers=report.failed,
-                    skipped_trainers=report.skipped,
-                )
-                if merge is not None:
-                    metrics.write("merge", **merge.to_dict())
-                metrics.flush()
-            if failed_streak >= config.run.max_failed_rounds:
-                raise NonFiniteError(
-                    f"non-finite losses or gradients on every worker of a trainer for {failed_streak} rounds in a "
-                    f"row (round {round_index}); the last good checkpoint is in {run_dir / 'checkpoints'}"
-                )
-            if not report.skipped and ((round_index + 1) % config.checkpoint.every == 0 or finished):
-                state = cluster.state_dict()  # collective: every rank hands its workers' state to rank 0
-                if is_root:
-                    save_checkpoint(
-                        run_dir / "checkpoints",
-                        round_index,
-                        {"cluster": state, "counters": dict(counters), "config": config.model_dump()},
-                        keep=config.checkpoint.keep,
-                    )
+    steps = min(config.sync_every, math.ceil((config.total_tokens - counters["tokens"]) / per_step))
+    return _RoundPlan(
+        index=counters["round"],
+        steps=steps,
+        first_step=counters["step"],
+        tokens_before=counters["tokens"],
+        per_step=per_step,
+        plans=plans,
+        started=time.perf_counter(),
+    )
 
-    if not is_root:
+
+def _show_step(run: _Run, plan: _RoundPlan, progress: StepProgress, bar_progress, bar) -> None:
+    """Progress after an inner step, from what this rank knows before the round's exchange."""
+    if not run.is_root:
+        return
+    batch_label = ",".join(str(t.batch_size) for t in run.cluster.trainers.values())
+    val = f" val {min(run.last_val.values()):.3f}" if run.last_val else ""
+    done = plan.tokens_before + (progress.step + 1) * plan.per_step
+    bar_progress.update(
+        bar,
+        completed=min(done, run.config.total_tokens),
+        status=f"round {plan.index + 1} · {len(run.cluster.trainers)} trainer(s) b={batch_label} · "
+        f"loss {progress.loss:.3f}{val}",
+    )
+
+
+def _finish_round(run: _Run, plan: _RoundPlan, report: RoundReport) -> None:
+    """Everything after a round's training: merges, counters, evaluation, records, health, checkpoint."""
+    cluster, counters = run.cluster, run.counters
+    run.failed_streak = run.failed_streak + 1 if report.skipped else 0
+    merge = cluster.maybe_merge(plan.index)
+    per_rank = _round_comm(run)
+    step_records = _advance(run, plan, report, per_rank)
+    finished = counters["tokens"] >= run.config.total_tokens
+    if finished:
+        cluster.flush()  # exchanges still in flight count towards the final θ
+    evaluated, eval_seconds = _evaluate(run, plan.index, finished)
+    counters["seconds"] = time.perf_counter() - run.started
+    if run.metrics is not None:
+        for record in step_records:
+            run.metrics.write("step", **record)
+        _record_round(run, plan, report, merge, per_rank, evaluated, eval_seconds)
+    if run.failed_streak >= run.config.run.max_failed_rounds:
+        raise NonFiniteError(
+            f"non-finite losses or gradients on every worker of a trainer for {run.failed_streak} rounds in a "
+            f"row (round {plan.index}); the last good checkpoint is in {run.run_dir / 'checkpoints'}"
+        )
+    if not report.skipped and ((plan.index + 1) % run.config.checkpoint.every == 0 or finished):
+        _checkpoint(run, plan.index)
+
+
+def _round_comm(run: _Run) -> list[tuple]:
+    """Every rank's traffic, exchanges and waiting in the round, and its memory (on rank 0; a bookkeeping
+    collective after the round's own exchanges, so not counted among them)."""
+    taken = run.comm.stats.take()
+    mine = (taken.bytes_sent, taken.wire_bytes, taken.seconds, memory_snapshot(run.device), taken.exchanges)
+    return run.comm.gather_objects((*mine, taken.wait_seconds)) or []
+
+
+def _advance(run: _Run, plan: _RoundPlan, report: RoundReport, per_rank: list[tuple]) -> list[dict]:
+    """Move the counters past the round; returns its step records (the losses came with the round's exchange)."""
+    counters = run.counters
+    records = []
+    for step, (losses, tokens) in enumerate(zip(report.step_loss, report.step_tokens, strict=True)):
+        counters["step"] += 1
+        counters["tokens"] += tokens
+        records.append(
+            {
+                "round": plan.index,
+                "step": counters["step"],
+                "loss": losses,
+                "lr": plan.lr_at(run.config, step),
+                "tokens": counters["tokens"],
+            }
+        )
+    # Each rank counts the payloads of the workers it hosts; rank 0 adds them up for the job.
+    counters["bytes"] += sum(p[0] for p in per_rank)
+    counters["round"] = plan.index + 1
+    return records
+
+
+def _evaluate(run: _Run, round_index: int, finished: bool) -> tuple[bool, float]:
+    """Periodic validation of every trainer's θ on rank 0; its time is reported apart from training's."""
+    evaluated = (round_index + 1) % run.config.eval.every == 0 or finished
+    started = time.perf_counter()
+    if evaluated and run.is_root:
+        periodic = {
+            k: run.task.evaluate(run.eval_model, t.theta, run.config.eval.blocks)
+            for k, t in run.cluster.trainers.items()
+        }
+        run.last_val.clear()
+        run.last_val.update({k: e.loss for k, e in periodic.items()})
+        run.last_accuracy = {k: e.accuracy for k, e in periodic.items() if e.accuracy is not None}
+    return evaluated, time.perf_counter() - started
+
+
+def _record_round(
+    run: _Run,
+    plan: _RoundPlan,
+    report: RoundReport,
+    merge: MergeEvent | None,
+    per_rank: list[tuple],
+    evaluated: bool,
+    eval_seconds: float,
+) -> None:
+    assert run.metrics is not None
+    counters, cluster = run.counters, run.cluster
+    seconds = time.perf_counter() - plan.started
+    classification = run.config.task == "classification"
+    run.metrics.write(
+        "round",
+        round=plan.index,
+        steps=plan.steps,
+        tokens=counters["tokens"],
+        train_loss=report.loss,
+        val_loss=dict(run.last_val) if evaluated else None,
+        **({"val_accuracy": dict(run.last_accuracy) if evaluated else None} if classification else {}),
+        bytes=sum(p[0] for p in per_rank),
+        bytes_total=counters["bytes"],
+        comm_seconds=per_rank[0][2],
+        exchanges=per_rank[0][4],
+        wait_seconds=per_rank[0][5],
+        ranks=[
+            {"rank": r, "payload_bytes": p, "wire_bytes": w, "comm_seconds": t, "exchanges": n, "wait_seconds": ws}
+            for r, (p, w, t, _, n, ws) in enumerate(per_rank)
+        ],
+        memory=[{"rank": r, **entry[3]} for r, entry in enumerate(per_rank)],
+        step=counters["step"],
+        tokens_per_second=(counters["tokens"] - plan.tokens_before) / max(seconds, 1e-9),
+        round_seconds=seconds,
+        eval_seconds=eval_seconds,
+        seconds=counters["seconds"],
+        batch={k: t.batch_size for k, t in cluster.trainers.items()},
+        batch_test=report.batch or None,
+        plan={
+            k: {"micro": p.micro, "accum": p.accum, "samples": p.samples, "mode": p.mode} for k, p in plan.plans.items()
+        },
+        workers={k: len(t.worker_ids) for k, t in cluster.trainers.items()},
+        merge=merge.to_dict() if merge else None,
+        peak_sync_bytes=cluster.peak_sync_bytes,
+        failed_workers=report.failed,
+        skipped_trainers=report.skipped,
+    )
+    if merge is not None:
+        run.metrics.write("merge", **merge.to_dict())
+    run.metrics.flush()
+
+
+def _checkpoint(run: _Run, round_index: int) -> None:
+    state = run.cluster.state_dict()  # collective: every rank hands its workers' state to rank 0
+    if run.is_root:
+        save_checkpoint(
+            run.run_dir / "checkpoints",
+            round_index,
+            {"cluster": state, "counters": dict(run.counters), "config": run.config.model_dump()},
+            keep=run.config.checkpoint.keep,
+        )
+
+
+def _finish(run: _Run, tokenizer_info: dict) -> TrainResult:
+    """Final evaluation of every trainer, the summary, the export of the best θ and the plots (rank 0)."""
+    config, comm, cluster, counters = run.config, run.comm, run.cluster, run.counters
+    if not run.is_root:
         summary = comm.broadcast_object(None, src=0)
-        return TrainResult(run_dir=run_dir, **summary)
+        return TrainResult(run_dir=run.run_dir, **summary)
     limit = None if config.eval.final_full else config.eval.blocks
-    final_eval = {k: run_task.evaluate(eval_model, t.theta, limit) for k, t in cluster.trainers.items()}
+    final_eval = {k: run.task.evaluate(run.eval_model, t.theta, limit) for k, t in cluster.trainers.items()}
     final_val = {k: e.loss for k, e in final_eval.items()}
     best = min(final_val, key=final_val.get)
-    seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - run.started
     result = TrainResult(
-        run_dir=run_dir,
+        run_dir=run.run_dir,
         val_loss=final_val[best],
         perplexity=math.exp(final_val[best]),
         tokens=counters["tokens"],
@@ -562,7 +658,8 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
         best_trainer=best,
         accuracy=final_eval[best].accuracy,
     )
-    metrics.write(
+    assert run.metrics is not None and run.eval_model is not None
+    run.metrics.write(
         "final",
         round=counters["round"] - 1,
         val_loss=final_val,
@@ -573,24 +670,16 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
         bytes_total=result.bytes_sent,
         seconds=seconds,
         **(
-            {
-                "accuracy": {k: e.accuracy for k, e in final_eval.items()},
-                "validation_samples": final_eval[best].count,
-            }
-            if classification
+            {"accuracy": {k: e.accuracy for k, e in final_eval.items()}, "validation_samples": final_eval[best].count}
+            if config.task == "classification"
             else {"validation_tokens": final_eval[best].count}
         ),
     )
-    metrics.close()
+    run.metrics.close()
     if config.run.save_final:
-        _export_final(eval_model, cluster.trainers[best].theta, run_dir, tokenizer_info)
+        _export_final(run.eval_model, cluster.trainers[best].theta, run.run_dir, tokenizer_info)
     if config.run.plots:
-        from adloco.plots import plot_run
-
-        try:
-            plot_run(run_dir)
-        except Exception as error:  # a plot must never cost a finished run
-            log.warning("could not write plots: %s", error)
+        _plot(run.run_dir)
     comm.broadcast_object({k: v for k, v in result.__dict__.items() if k != "run_dir"}, src=0)
     log.info(
         "done: val loss %.4f (perplexity %.2f), %d tokens, %.1f s",
@@ -600,3 +689,12 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
         seconds,
     )
     return result
+
+
+def _plot(run_dir: Path) -> None:
+    from adloco.plots import plot_run
+
+    try:
+        plot_run(run_dir)
+    except Exception as error:  # a plot must never cost a finished run
+        log.warning("could not write plots: %s", error)

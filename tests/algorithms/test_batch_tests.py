@@ -1,4 +1,4 @@
-"""Gradient statistics and batch-size tests: DESIGN §5 vectors 5 and 6, estimator properties, controller."""
+"""Gradient statistics and batch-size tests: test vectors 5 and 6 (docs/design.md), estimators, controller."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def stats_close(a: GradientStatistics, b: GradientStatistics, rel: float = 1e-9,
         assert x == pytest.approx(y, rel=rel, abs=abs_), name
 
 
-# --- DESIGN §5 vector 5 ---------------------------------------------------------------------------
+# --- test vector 5 of docs/design.md ---------------------------------------------------------------------------
 
 
 def test_vector5_statistics() -> None:
@@ -96,7 +96,7 @@ def test_parameters_are_not_mixed_up() -> None:
     assert inner_product_test_request(stats, 4, theta=0.5, nu=0.1, unbiased=False) == pytest.approx(base / 4)
 
 
-# --- DESIGN §5 vector 6: exact pooling --------------------------------------------------------------
+# --- test vector 6 of docs/design.md: exact pooling --------------------------------------------------------------
 
 
 @pytest.mark.parametrize("groups", [2, 4, 8])
@@ -250,8 +250,8 @@ def test_average_statistics() -> None:
     assert avg.unbiased_grad_norm_sq == pytest.approx((a.unbiased_grad_norm_sq + c.unbiased_grad_norm_sq) / 2)
     mixed = average_statistics([a, b])
     assert mixed.ip_variance is None and mixed.orth_variance == 2.0
-    with pytest.raises(ValueError, match="sample count"):
-        average_statistics([a, GradientStatistics(4, 1.0, 1.0)])
+    # Workers with different micro-batch plans: the rounded mean count stands for them.
+    assert average_statistics([a, GradientStatistics(5, 1.0, 1.0)]).samples == 6
     with pytest.raises(ValueError):
         average_statistics([])
 

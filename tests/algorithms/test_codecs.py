@@ -1,4 +1,4 @@
-"""DESIGN §5 vector 8: codecs for exchanged pseudo-gradients (exactness, error bounds, payload sizes)."""
+"""test vector 8 of docs/design.md: codecs for exchanged pseudo-gradients (exactness, error bounds, payload sizes)."""
 
 import math
 

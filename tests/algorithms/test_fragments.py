@@ -1,4 +1,4 @@
-"""Streaming DiLoCo fragments, schedule and mixing; DESIGN §5 vector 7."""
+"""Streaming DiLoCo fragments, schedule and mixing; test vector 7 of docs/design.md."""
 
 import functools
 import math
@@ -8,13 +8,18 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from adloco.algorithms.fragments import assign_fragments, layer_index, mix
-from adloco.algorithms.outer import OuterOptimizer, pseudo_gradient
+from adloco.algorithms.outer import OuterOptimizer, mean_in_order, worker_delta
 from adloco.algorithms.schedules import (
     fragment_offsets,
     fragments_receiving_at,
     fragments_sending_at,
     validate_schedule,
 )
+
+
+def pseudo_gradient(theta, workers):
+    """Δ = (1/M) Σ_m (θ − θ_m) from the two functions the exchange uses: per-worker drifts, ordered mean."""
+    return mean_in_order([worker_delta(theta, w) for w in workers])
 
 
 @functools.cache
@@ -178,7 +183,7 @@ def test_pseudo_gradient_sums_in_worker_order():
 
 
 def test_outer_step_on_one_fragment_leaves_the_others_bit_identical():
-    """DESIGN vector 7, second half, with one torch SGD (Nesterov 0.7/0.9) per fragment."""
+    """test vector 7 of docs/design.md, second half, with one torch SGD (Nesterov 0.7/0.9) per fragment."""
     torch.manual_seed(0)
     theta = [torch.randn(5, 3) for _ in range(6)]
     fragments = [[0, 2, 4], [1, 3, 5]]
@@ -259,7 +264,7 @@ def _streaming(theta0, targets, h, rounds, p, tau, alpha, shared="first"):
 
 
 def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco():
-    """DESIGN vector 7, first half: P = 1, τ = 0, α = 0 reproduces DiLoCo bit for bit."""
+    """test vector 7 of docs/design.md, first half: P = 1, τ = 0, α = 0 reproduces DiLoCo bit for bit."""
     g = torch.Generator().manual_seed(1)
     theta0 = [torch.randn(4, 3, generator=g) for _ in range(5)]
     targets = [[torch.randn(4, 3, generator=g) for _ in range(5)] for _ in range(3)]

@@ -1,4 +1,4 @@
-"""Trainer merges (DESIGN §5 vector 9), merge group selection and merge weights."""
+"""Trainer merges (test vector 9 of docs/design.md), merge group selection and merge weights."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Noise scale and batch-gradient deviation: exact values on DESIGN §5 vector 5 and exhaustive subsets."""
+"""Noise scale and batch-gradient deviation: exact values on test vector 5 of docs/design.md and exhaustive subsets."""
 
 from __future__ import annotations
 

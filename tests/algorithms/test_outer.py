@@ -1,11 +1,16 @@
-"""DESIGN §5 vectors 1–4: the outer step reduces to known single-process optimizers."""
+"""test vectors 1–4 of docs/design.md: the outer step reduces to known single-process optimizers."""
 
 import pytest
 import torch
 
-from adloco.algorithms.outer import OuterOptimizer, eager_pseudo_gradient, pseudo_gradient
+from adloco.algorithms.outer import OuterOptimizer, eager_pseudo_gradient, mean_in_order, worker_delta
 
 F64 = torch.float64
+
+
+def pseudo_gradient(theta, workers):
+    """Δ = (1/M) Σ_m (θ − θ_m) from the two functions the exchange uses: per-worker drifts, ordered mean."""
+    return mean_in_order([worker_delta(theta, w) for w in workers])
 
 
 def _problem(seed: int = 0):

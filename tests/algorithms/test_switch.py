@@ -1,4 +1,4 @@
-"""Switch mode micro-batch plans (DESIGN §5 vector 10) and the b_max search."""
+"""Switch mode micro-batch plans (test vector 10 of docs/design.md) and the b_max search."""
 
 from __future__ import annotations
 

@@ -172,3 +172,41 @@ def test_eager_overlap_matches_in_process(tmp_path):
     local = train(build_config(overrides=[*eager, f"run.root={tmp_path}", "run.name=local"]))
     _torchrun(2, [*eager, f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
     assert same_params(final_params(local.run_dir), final_params(tmp_path / "dist"))
+
+
+def _exchanges_per_round(tmp_path, name: str, overrides: list[str]) -> list[list[int]]:
+    """Per round after the first (which holds the start-up handshake) and before the last (maybe shorter):
+    each rank's count of blocking exchanges."""
+    _torchrun(2, [*overrides, f"run.root={tmp_path}", f"run.name={name}"], cwd=tmp_path)
+    rounds = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["kind"] == "round"]
+    assert len(rounds) >= 3
+    return [[rank["exchanges"] for rank in r["ranks"]] for r in rounds[1:-1]]
+
+
+@pytest.mark.parametrize(
+    ("method", "per_round"),
+    [
+        (["method=diloco", "workers=2"], 1),  # Δ and every worker's round report in one collective
+        (["method=streaming", "workers=2", "streaming.fragments=2"], 3),  # one per fragment, and the reports
+        # one trainer per rank: the round's exchange within each, and each trainer's state shared with the other
+        (["method=adloco", "trainers=2", "workers=1", "merge.every=100", "batch.b_cap=4"], None),
+    ],
+)
+def test_ranks_meet_a_fixed_number_of_times_per_round_whatever_h(tmp_path, method, per_round):
+    """2 ranks, H = 4 and H = 8: low-communication methods meet per round, not per inner step."""
+    base = [*BASE, "batch.size=1", *method]
+    counts = {
+        h: _exchanges_per_round(tmp_path, f"h{h}", [*base, f"sync_every={h}", f"total_tokens={16 * 8 * 3 * h}"])
+        for h in (4, 8)
+    }
+    flat = {h: {n for r in rounds for n in r} for h, rounds in counts.items()}
+    assert flat[4] == flat[8] and len(flat[4]) == 1, counts
+    if per_round is not None:
+        assert flat[4] == {per_round}
+
+
+def test_ddp_meets_once_per_inner_step(tmp_path):
+    rounds = _exchanges_per_round(
+        tmp_path, "ddp", [*BASE, "method=ddp", "workers=2", "sync_every=4", "total_tokens=1024"]
+    )
+    assert rounds and all(r == [4, 4] for r in rounds)

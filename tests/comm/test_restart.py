@@ -15,7 +15,8 @@ from adloco.comm import LocalCommunicator
 from adloco.comm.distributed import job_key
 from adloco.config import ConfigError, build_config
 from adloco.metrics import read_metrics
-from adloco.training import FAULT_RANK_ENV, FAULT_ROUND_ENV, JOBS_DIR, train
+from adloco.training import JOBS_DIR, train
+from tests.comm.crash_launch import CRASH_AFTER_STEP, CRASH_RANK
 from tests.conftest import final_params, same_params
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
@@ -61,10 +62,13 @@ def reference(tmp_path_factory):
 
 
 def test_torchrun_restart_resumes_the_run_by_itself(tmp_path, reference):
-    """Rank 0 is SIGKILLed mid-round 3; torchrun restarts both ranks, which resume from round 3's checkpoint."""
+    """Rank 0 is SIGKILLed mid-round 3 (after step 7 of 2-step rounds); torchrun restarts both ranks, which
+    resume from round 3's checkpoint."""
     root = tmp_path / "runs"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update({"PYTHONWARNINGS": "ignore", FAULT_ROUND_ENV: "3", FAULT_RANK_ENV: "0"})
+    repo = str(Path(__file__).resolve().parents[2])
+    env.update({"PYTHONWARNINGS": "ignore", CRASH_AFTER_STEP: "7", CRASH_RANK: "0"})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
     command = [
         sys.executable,
         "-m",
@@ -75,7 +79,7 @@ def test_torchrun_restart_resumes_the_run_by_itself(tmp_path, reference):
         "--master_addr=127.0.0.1",
         f"--master_port={_free_port()}",
         "-m",
-        "adloco",
+        "tests.comm.crash_launch",
         "train",
         *RUN,
         f"run.root={root}",

@@ -161,7 +161,7 @@ def statistics_from_norms(
 ) -> GradientStatistics:
     """Norm-test statistics from Σ_j n_j ‖ḡ_j‖² and ‖ḡ‖² alone (no Gram matrix, no inner products).
 
-    σ² = (Σ_j n_j ‖ḡ_j‖² − n‖ḡ‖²) / (k − 1); for equal groups of n_g this is DESIGN's
+    σ² = (Σ_j n_j ‖ḡ_j‖² − n‖ḡ‖²) / (k − 1); for equal groups of n_g this is the pooled
     n_g (Σ_j ‖ḡ_j‖² − k‖ḡ‖²)/(k − 1). Agrees with :func:`statistics_from_gram` up to rounding.
     """
     sizes = _validate_group_sizes(group_sizes)
@@ -202,15 +202,13 @@ def statistics_from_samples(per_sample: torch.Tensor) -> GradientStatistics:
 def average_statistics(stats: Sequence[GradientStatistics]) -> GradientStatistics:
     """Combine the M workers' statistics of one trainer: the mean of each scalar.
 
-    ``samples`` stays the per-worker count (all workers must agree), so ``unbiased_grad_norm_sq`` of the
-    result is the mean of the workers' unbiased estimates. ip/orth variances are kept only when every
-    worker measured them.
+    ``samples`` stays the per-worker count, so ``unbiased_grad_norm_sq`` of the result is the mean of the
+    workers' unbiased estimates; workers whose devices gave them different micro-batch plans report different
+    counts, and then the rounded mean stands for them. ip/orth variances are kept only when every worker
+    measured them.
     """
     if not stats:
         raise ValueError("average_statistics needs at least one GradientStatistics")
-    samples = {s.samples for s in stats}
-    if len(samples) != 1:
-        raise ValueError(f"workers disagree on the sample count behind their statistics: {sorted(samples)}")
     m = len(stats)
 
     def mean_of(values: list[float | None]) -> float | None:
@@ -218,7 +216,7 @@ def average_statistics(stats: Sequence[GradientStatistics]) -> GradientStatistic
         return math.fsum(present) / m if len(present) == m else None
 
     return GradientStatistics(
-        samples=stats[0].samples,
+        samples=round(math.fsum(s.samples for s in stats) / m),
         grad_norm_sq=math.fsum(s.grad_norm_sq for s in stats) / m,
         sample_variance=math.fsum(s.sample_variance for s in stats) / m,
         ip_variance=mean_of([s.ip_variance for s in stats]),
@@ -317,7 +315,7 @@ def norm_test_request(stats: GradientStatistics, workers: int, eta: float, *, un
     """Raw per-worker norm-test request σ² / (M · η² · ‖∇F‖²).
 
     ‖∇F‖² is the unbiased estimate ‖ḡ‖² − σ²/samples by default (what the trainer uses);
-    ``unbiased=False`` takes ‖ḡ‖² as given, as in the textbook per-sample formulation (DESIGN §5 vector 5).
+    ``unbiased=False`` takes ‖ḡ‖² as given, as in the textbook per-sample formulation (test vector 5 of docs/design.md).
     Returns 0 when σ² = 0 and ``math.inf`` when the ‖∇F‖² estimate is ≤ 0 or below NOISE_FLOOR·σ²;
     never negative, never NaN.
     """
@@ -372,7 +370,7 @@ class BatchDecision:
 class BatchSizeController:
     """Turns a trainer's averaged gradient statistics into the next per-worker batch size.
 
-    Defaults: η = 0.8 (DESIGN); ϑ = 0.8 so that the along-gradient part of the augmented test is as strict
+    Defaults: η = 0.8 (the AdLoCo paper's); ϑ = 0.8 so that the along-gradient part of the augmented test is as strict
     as the norm test; ν = 1.0 tolerates orthogonal noise up to the gradient's own size. Since
     tr Cov = Var_ip/‖g‖² + Var_orth, with ϑ = ν = η the augmented test asks for between half of and all of
     the norm test's batch (exactly so when both use the same ‖g‖²). ``ema`` in [0, 1) smooths σ², ‖∇F‖²,

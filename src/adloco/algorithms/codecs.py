@@ -290,15 +290,19 @@ def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:
 
 
 def decode_and_average(
-    encoded_list: Sequence[Encoded], codec: Codec, shape: torch.Size | Sequence[int] | None = None
+    encoded_list: Sequence[Encoded],
+    codec: Codec,
+    shape: torch.Size | Sequence[int] | None = None,
+    divisor: int | None = None,
 ) -> torch.Tensor:
-    """Mean of the decoded payloads, summed in float32 in list order (so every rank gets the same bits)."""
+    """Sum of the decoded payloads in float32 in list order (so every rank gets the same bits), divided by
+    ``divisor`` (default: the number of payloads; a left-out worker sends zeros and is not counted)."""
     if not encoded_list:
         raise ValueError("decode_and_average needs at least one payload")
-    total = codec.decode(encoded_list[0]).clone()
+    total = codec.decode(encoded_list[0]).reshape(-1).clone()
     for encoded in encoded_list[1:]:
-        total.add_(codec.decode(encoded))
-    total.div_(len(encoded_list))
+        total.add_(codec.decode(encoded).reshape(-1))
+    total.div_(divisor or len(encoded_list))
     return total.reshape(tuple(shape)) if shape is not None else total
 
 

@@ -48,7 +48,7 @@ def _normalise(raw: Sequence[float]) -> list[float]:
 def merge_weights(policy: MergePolicy, b_reqs: Sequence[int], worker_counts: Sequence[int]) -> list[float]:
     """Normalised merge weights (summing to 1) for the trainers of one merge group.
 
-    ``"b_req"`` (DESIGN §3): w_j ∝ b_j, the per-worker batch request.
+    ``"b_req"`` (the paper's rule): w_j ∝ b_j, the per-worker batch request.
     ``"pairwise_reference"``: the weights of the reference AdLoCo code, which merges two trainers at a
     time with w_j ∝ demand_j = |workers_j| · b_j (just b_j for a trainer with no workers). That code only
     averages parameters: the surviving trainer keeps its own outer optimizer state and its own b, and

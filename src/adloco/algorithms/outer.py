@@ -27,12 +27,14 @@ def sum_in_order(contributions: Sequence[Sequence[torch.Tensor]]) -> list[torch.
     return total
 
 
-def pseudo_gradient(
-    global_params: Sequence[torch.Tensor], workers_params: Sequence[Sequence[torch.Tensor]]
-) -> list[torch.Tensor]:
-    """Δ = (1/M) Σ_m (θ − θ_m), summed in worker order."""
-    total = sum_in_order([worker_delta(global_params, w) for w in workers_params])
-    return [t.div_(len(workers_params)) for t in total]
+def mean_in_order(contributions: Sequence[Sequence[torch.Tensor]], divisor: int | None = None) -> list[torch.Tensor]:
+    """The contributions summed in the given order, divided by ``divisor`` (default: their count).
+
+    With the workers' ``worker_delta`` in worker-id order this is the pseudo-gradient Δ = (1/M) Σ_m (θ − θ_m);
+    a worker left out contributes zeros and is not counted in ``divisor``.
+    """
+    total = sum_in_order(contributions)
+    return [t.div_(divisor or len(contributions)) for t in total]
 
 
 def eager_pseudo_gradient(

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["MicroBatchPlan", "plan_micro_batches", "search_max_batch"]
+__all__ = ["MicroBatchPlan", "plan_micro_batches", "search_max_batch", "split_evenly"]
 
 PlanMode = Literal["single", "capped", "accumulate"]
 
@@ -40,13 +40,19 @@ class MicroBatchPlan:
         return sum(self.sizes)
 
 
+def split_evenly(total: int, parts: int) -> list[int]:
+    """``parts`` near-equal positive sizes summing to ``total``, larger ones first (they differ by at most one)."""
+    base, extra = divmod(total, parts)
+    return [base + 1] * extra + [base] * (parts - extra)
+
+
 def _check_int(name: str, value: int, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def plan_micro_batches(b_req: int, b_max: int, switch_factor: float = 2.0) -> MicroBatchPlan:
-    """Split a requested batch into micro-batches that fit in memory (switch mode, DESIGN §3).
+    """Split a requested batch into micro-batches that fit in memory (switch mode).
 
     b_req ≤ b_max → one micro-batch of b_req; b_max < b_req ≤ n·b_max → one micro-batch of b_max;
     b_req > n·b_max → ⌈b_req/b_max⌉ near-equal micro-batches summing to b_req (n = ``switch_factor``;
@@ -60,10 +66,7 @@ def plan_micro_batches(b_req: int, b_max: int, switch_factor: float = 2.0) -> Mi
         return MicroBatchPlan((b_req,), "single")
     if b_req <= switch_factor * b_max:
         return MicroBatchPlan((b_max,), "capped")
-    accum = -(-b_req // b_max)
-    base, extra = divmod(b_req, accum)
-    # The first `extra` micro-batches take one more sample so that sizes differ by at most one.
-    return MicroBatchPlan(tuple([base + 1] * extra + [base] * (accum - extra)), "accumulate")
+    return MicroBatchPlan(tuple(split_evenly(b_req, -(-b_req // b_max))), "accumulate")
 
 
 def search_max_batch(fits: Callable[[int], bool], upper: int, lower: int = 1) -> int:

@@ -1,13 +1,16 @@
-"""The Communicator protocol: collectives over a trainer's workers, with byte and time accounting."""
+"""The Communicator protocol: collectives over a trainer's workers, with byte, time and exchange accounting."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch.futures import Future
+
+from adloco.algorithms.outer import sum_in_order
 
 
 @dataclass
@@ -16,26 +19,31 @@ class CommStats:
 
     ``bytes_sent``: the payloads the workers contribute (each worker's tensors once): what a network with
     one worker per machine would carry, the same in-process and under torchrun (nothing for a lone worker).
-    ``wire_bytes``: what this rank actually handed to the backend. ``seconds``: time spent in collectives on this rank.
+    ``wire_bytes``: what this rank actually handed to the backend. ``seconds``: time from the start of each
+    collective to its completion on this rank (it may overlap compute). ``exchanges``: collectives among two
+    or more workers that this rank took part in. ``wait_seconds``: time this rank sat blocked in them.
     """
 
     bytes_sent: int = 0
     wire_bytes: int = 0
     seconds: float = 0.0
+    exchanges: int = 0
+    wait_seconds: float = 0.0
 
     def take(self) -> CommStats:
-        taken = CommStats(self.bytes_sent, self.wire_bytes, self.seconds)
-        self.bytes_sent, self.wire_bytes, self.seconds = 0, 0, 0.0
+        taken = CommStats(self.bytes_sent, self.wire_bytes, self.seconds, self.exchanges, self.wait_seconds)
+        self.bytes_sent, self.wire_bytes, self.seconds, self.exchanges, self.wait_seconds = 0, 0, 0.0, 0, 0.0
         return taken
 
 
-class ScalarMeans:
-    """``mean_scalars`` for any transport that implements ``gather_worker_scalars``."""
+@dataclass
+class Gathered:
+    """What an exchange brings back, on every rank of the group: every worker's tensors in worker-id order
+    (``rows``) or their sum in that order (``total``), and every worker's float64 report vector."""
 
-    def mean_scalars(self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int]) -> list[float]:
-        values = self.gather_worker_scalars(contributions, workers)  # type: ignore[attr-defined]
-        ordered = [values[w] for w in sorted(workers)]
-        return [sum(column) / len(ordered) for column in zip(*ordered, strict=True)]
+    rows: list[list[torch.Tensor]] | None
+    total: list[torch.Tensor] | None
+    reports: dict[int, torch.Tensor]
 
 
 def payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -45,6 +53,74 @@ def payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
 def contributed_bytes(contributions: Sequence[Sequence[torch.Tensor]], workers: Sequence[int]) -> int:
     """Bytes that ``contributions`` put on a network among ``workers``: none when a worker is alone."""
     return 0 if len(workers) < 2 else sum(payload_bytes(c) for c in contributions)
+
+
+def pack_report(report: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float64 report reinterpreted (not converted) as ``dtype``, so it rides in a payload row bit for bit."""
+    if report.dtype != torch.float64 or report.dim() != 1:
+        raise ValueError("a report is a 1-D float64 tensor")
+    return report.contiguous().view(dtype)
+
+
+def unpack_report(packed: torch.Tensor) -> torch.Tensor:
+    return packed.clone().view(torch.float64)  # a fresh buffer: a slice of a row may start mid-float64
+
+
+class ExchangeMixin:
+    """Round exchanges for any transport with ``gather_over_workers``: reports travel in the same collective as
+    the payload (one round trip, not two), and blocking waits are timed."""
+
+    stats: CommStats
+
+    def gather_over_workers(
+        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
+    ) -> Future[list[list[torch.Tensor]]]:
+        raise NotImplementedError
+
+    def wait(self, future: Future) -> Any:
+        """Block until ``future`` is done, counting the time as waiting for peers."""
+        start = time.perf_counter()
+        try:
+            return future.wait()
+        finally:
+            self.stats.wait_seconds += time.perf_counter() - start
+
+    def gather_with_reports(
+        self,
+        contributions: Mapping[int, Sequence[torch.Tensor]],
+        reports: Mapping[int, torch.Tensor] | None,
+        workers: Sequence[int],
+    ) -> Future[Gathered]:
+        """One collective: every worker's tensors (all of one dtype) and its report (if any), in worker-id order."""
+        packed: dict[int, list[torch.Tensor]] = {}
+        for w, tensors in contributions.items():
+            dtype = tensors[0].dtype if tensors else torch.float64
+            packed[w] = [*tensors] + ([] if reports is None else [pack_report(reports[w], dtype)])
+        ordered = sorted(workers)
+
+        def unpack(done: Future) -> Gathered:
+            rows = done.wait()
+            if reports is None:
+                return Gathered(rows=rows, total=None, reports={})
+            reports_by_worker = {w: unpack_report(row[-1]) for w, row in zip(ordered, rows, strict=True)}
+            return Gathered(rows=[row[:-1] for row in rows], total=None, reports=reports_by_worker)
+
+        return self.gather_over_workers(packed, ordered).then(unpack)
+
+    def sum_with_reports(
+        self,
+        contributions: Mapping[int, Sequence[torch.Tensor]],
+        reports: Mapping[int, torch.Tensor] | None,
+        workers: Sequence[int],
+    ) -> Future[Gathered]:
+        """Like ``gather_with_reports``, with the tensors summed in worker-id order (whatever the placement)."""
+
+        def add_up(done: Future) -> Gathered:
+            gathered = done.wait()
+            assert gathered.rows is not None
+            return Gathered(rows=None, total=sum_in_order(gathered.rows), reports=gathered.reports)
+
+        return self.gather_with_reports(contributions, reports, workers).then(add_up)
 
 
 class Communicator(Protocol):
@@ -58,19 +134,35 @@ class Communicator(Protocol):
     world_size: int
     stats: CommStats
 
-    def mean_over_workers(
-        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int], divisor: int | None = None
-    ) -> Future[list[torch.Tensor]]:
-        """Start averaging tensor lists over ``workers`` (sum / ``divisor``, default the worker count).
+    def gather_over_workers(
+        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
+    ) -> Future[list[list[torch.Tensor]]]:
+        """Start gathering every worker's tensor list; the future holds them in worker-id order."""
+        ...
+
+    def gather_with_reports(
+        self,
+        contributions: Mapping[int, Sequence[torch.Tensor]],
+        reports: Mapping[int, torch.Tensor] | None,
+        workers: Sequence[int],
+    ) -> Future[Gathered]:
+        """Start gathering every worker's tensors together with its float64 report vector (if any)."""
+        ...
+
+    def sum_with_reports(
+        self,
+        contributions: Mapping[int, Sequence[torch.Tensor]],
+        reports: Mapping[int, torch.Tensor] | None,
+        workers: Sequence[int],
+    ) -> Future[Gathered]:
+        """Start summing every worker's tensors in worker-id order, and gathering the reports (if any).
 
         A worker left out of a mean contributes zeros: adding an exact zero changes no bit of a sum.
         """
         ...
 
-    def gather_over_workers(
-        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
-    ) -> Future[list[list[torch.Tensor]]]:
-        """Start gathering every worker's tensor list; the future holds them in worker-id order."""
+    def wait(self, future: Future) -> Any:
+        """Block until ``future`` is done; the time counts as ``stats.wait_seconds``."""
         ...
 
     def gather_worker_scalars(
@@ -85,6 +177,10 @@ class Communicator(Protocol):
         """Create the group of ranks hosting ``workers``; every rank calls it in the same order."""
         ...
 
+    def ranks_of(self, workers: Sequence[int]) -> list[int]:
+        """The ranks that host ``workers``, sorted."""
+        ...
+
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int) -> None: ...
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
@@ -94,7 +190,3 @@ class Communicator(Protocol):
     def barrier(self) -> None: ...
 
     def close(self) -> None: ...
-
-    def mean_scalars(self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int]) -> list[float]:
-        """Average small vectors of scalars over ``workers`` (batch-test statistics, losses)."""
-        ...

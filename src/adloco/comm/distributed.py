@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from adloco.algorithms.flat import flatten, unflatten
 from adloco.algorithms.outer import sum_in_order
-from adloco.comm.base import CommStats, ScalarMeans, contributed_bytes
+from adloco.comm.base import CommStats, ExchangeMixin, Gathered, contributed_bytes
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -70,25 +71,14 @@ def _init_process_group(backend: str, timeout: timedelta) -> None:
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset : offset + t.numel()].view_as(t).clone())
-        offset += t.numel()
-    return out
-
-
-class DistributedCommunicator(ScalarMeans):
+class DistributedCommunicator(ExchangeMixin):
     """Collectives among the ranks that host a trainer's workers.
 
     ``reduce="gather"`` (default) all-gathers every worker's contribution and sums them in worker-id order:
     the result does not depend on how workers are placed on ranks, so N ranks × 1 slot and 1 rank × N slots
-    give the same bits. ``reduce="allreduce"`` sums a rank's own slots first and all-reduces the partial
-    sums: less traffic (2|θ| instead of M|θ| received), but the floating-point order follows the backend.
+    give the same bits; the workers' reports ride in the same collective. ``reduce="allreduce"`` sums a
+    rank's own slots first and all-reduces the partial sums: less traffic (2|θ| instead of M|θ| received),
+    but the floating-point order follows the backend, and the reports need a second (small) collective.
     """
 
     def __init__(self, backend: str = "auto", timeout_s: float = 300.0, reduce: str = "gather") -> None:
@@ -151,7 +141,7 @@ class DistributedCommunicator(ScalarMeans):
         numel = sum(t.numel() for t in like)
         local = torch.zeros(rows, numel, dtype=like[0].dtype, device=self.device)
         for row, worker in enumerate(hosted_by[self.rank]):
-            local[row] = _flatten(contributions[worker]).to(self.device)
+            local[row] = flatten(contributions[worker]).to(self.device)
         outputs = [torch.empty_like(local) for _ in ranks]
         payload = contributed_bytes([contributions[w] for w in hosted_by[self.rank]], ordered)
         if len(ranks) == 1:
@@ -163,6 +153,7 @@ class DistributedCommunicator(ScalarMeans):
             work = dist.all_gather(outputs, local, group=self._group(ordered), async_op=True)
             future = work.get_future()
             sent = local.numel() * local.element_size()
+        self.stats.exchanges += len(ordered) > 1
 
         def unpack(done: Future) -> list[list[torch.Tensor]]:
             # A callback runs even when the collective failed (a peer died); wait() raises that error here
@@ -171,33 +162,41 @@ class DistributedCommunicator(ScalarMeans):
             by_worker = {}
             for rank, gathered in zip(ranks, outputs, strict=True):
                 for row, worker in enumerate(hosted_by[rank]):
-                    by_worker[worker] = _unflatten(gathered[row].cpu(), like)
+                    by_worker[worker] = [t.clone() for t in unflatten(gathered[row].cpu(), like)]
             self._timed(start, sent, payload)
             return [by_worker[w] for w in ordered]
 
         return future.then(unpack)
 
-    def mean_over_workers(
-        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int], divisor: int | None = None
-    ) -> Future[list[torch.Tensor]]:
-        if self.reduce == "allreduce":
-            return self._allreduce_mean(contributions, workers, divisor)
-        gathered = self.gather_over_workers(contributions, workers)
+    def sum_with_reports(
+        self,
+        contributions: Mapping[int, Sequence[torch.Tensor]],
+        reports: Mapping[int, torch.Tensor] | None,
+        workers: Sequence[int],
+    ) -> Future[Gathered]:
+        if self.reduce != "allreduce":
+            return super().sum_with_reports(contributions, reports, workers)
+        summed = self._allreduce_sum(contributions, workers)
+        if reports is None:
+            return summed.then(lambda done: Gathered(rows=None, total=done.wait(), reports={}))
+        # Both collectives start now and are waited on together: still one wait per exchange.
+        gathered = self.gather_over_workers({w: [r] for w, r in reports.items()}, workers)
+        ordered = sorted(workers)
 
-        def reduce(future: Future) -> list[torch.Tensor]:
-            total = sum_in_order(future.wait())
-            return [t.div_(divisor or len(workers)) for t in total]
+        def combine(done: Future) -> Gathered:
+            total, rows = (f.wait() for f in done.wait())
+            return Gathered(rows=None, total=total, reports={w: r[0] for w, r in zip(ordered, rows, strict=True)})
 
-        return gathered.then(reduce)
+        return torch.futures.collect_all([summed, gathered]).then(combine)
 
-    def _allreduce_mean(
-        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int], divisor: int | None
+    def _allreduce_sum(
+        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
     ) -> Future[list[torch.Tensor]]:
         start = time.perf_counter()
         ordered = sorted(workers)
         mine = [contributions[w] for w in ordered if self.placement[w] == self.rank]
         like = mine[0]
-        flat = _flatten(sum_in_order(mine)).to(self.device)
+        flat = flatten(sum_in_order(mine)).to(self.device)
         payload = contributed_bytes(mine, ordered)
         if len(self.ranks_of(ordered)) == 1:
             future: Future = Future()
@@ -206,11 +205,12 @@ class DistributedCommunicator(ScalarMeans):
         else:
             future = dist.all_reduce(flat, group=self._group(ordered), async_op=True).get_future()
             sent = 2 * flat.numel() * flat.element_size()
+        self.stats.exchanges += len(ordered) > 1
 
         def finish(done: Future) -> list[torch.Tensor]:
             done.wait()  # re-raise a failed all-reduce rather than return a half-reduced buffer
             self._timed(start, sent, payload)
-            return [t.div_(divisor or len(ordered)) for t in _unflatten(flat.cpu(), like)]
+            return [t.clone() for t in unflatten(flat.cpu(), like)]
 
         return future.then(finish)
 
@@ -221,7 +221,7 @@ class DistributedCommunicator(ScalarMeans):
         workers = sorted(self.placement) if workers is None else sorted(workers)
         width = len(next(iter(contributions.values())))
         tensors = {w: [torch.tensor(list(v), dtype=torch.float64)] for w, v in contributions.items() if w in workers}
-        gathered = self.gather_over_workers(tensors, workers).wait()
+        gathered = self.wait(self.gather_over_workers(tensors, workers))
         return {w: [float(x) for x in g[0][:width]] for w, g in zip(workers, gathered, strict=True)}
 
     # -- whole-world helpers -------------------------------------------------------------------------------
@@ -230,18 +230,23 @@ class DistributedCommunicator(ScalarMeans):
         if self.world_size == 1 or not tensors:
             return
         start = time.perf_counter()
-        flat = _flatten(tensors).to(self.device)
+        flat = flatten(tensors).to(self.device)
         dist.broadcast(flat, src=src)
         with torch.no_grad():
-            for t, value in zip(tensors, _unflatten(flat.cpu(), tensors), strict=True):
+            for t, value in zip(tensors, unflatten(flat.cpu(), tensors), strict=True):
                 t.copy_(value)
         self.stats.seconds += time.perf_counter() - start
+        self.stats.wait_seconds += time.perf_counter() - start
+        self.stats.exchanges += 1
         if self.rank == src:
             self.stats.wire_bytes += flat.numel() * flat.element_size()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
+        start = time.perf_counter()
         dist.broadcast_object_list(box, src=src)
+        self.stats.wait_seconds += time.perf_counter() - start
+        self.stats.exchanges += self.world_size > 1
         return box[0]
 
     def gather_objects(self, obj: Any) -> list[Any] | None:

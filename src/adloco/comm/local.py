@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.futures import Future
 
-from adloco.algorithms.outer import sum_in_order
-from adloco.comm.base import CommStats, ScalarMeans, contributed_bytes
+from adloco.comm.base import CommStats, ExchangeMixin, contributed_bytes
 
 
-class LocalCommunicator(ScalarMeans):
-    """Every worker lives in this process; collectives are ordered sums, counted as if sent."""
+class LocalCommunicator(ExchangeMixin):
+    """Every worker lives in this process; collectives are ordered lists, counted as if sent.
+
+    Bytes and exchanges are what a network with one worker per machine would carry, so in-process runs
+    report the same figures as torchrun runs of the same layout.
+    """
 
     rank = 0
     world_size = 1
@@ -30,6 +32,7 @@ class LocalCommunicator(ScalarMeans):
             raise RuntimeError(f"workers {missing} are not hosted by the only rank")
         ordered = [contributions[w] for w in sorted(workers)]
         self.stats.bytes_sent += contributed_bytes(ordered, workers)
+        self.stats.exchanges += len(workers) > 1
         return ordered
 
     def gather_over_workers(
@@ -39,23 +42,12 @@ class LocalCommunicator(ScalarMeans):
         future.set_result([list(c) for c in self._ordered(contributions, workers)])
         return future
 
-    def mean_over_workers(
-        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int], divisor: int | None = None
-    ) -> Future[list[torch.Tensor]]:
-        start = time.perf_counter()
-        ordered = self._ordered(contributions, workers)
-        total = sum_in_order(ordered)
-        mean = [t.div_(divisor or len(ordered)) for t in total]
-        self.stats.seconds += time.perf_counter() - start
-        future: Future[list[torch.Tensor]] = Future()
-        future.set_result(mean)
-        return future
-
     def gather_worker_scalars(
         self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int] | None = None
     ) -> dict[int, list[float]]:
         workers = sorted(contributions) if workers is None else sorted(workers)
         self.stats.bytes_sent += 0 if len(workers) < 2 else sum(8 * len(contributions[w]) for w in workers)
+        self.stats.exchanges += len(workers) > 1
         return {w: list(contributions[w]) for w in workers}
 
     # A world of one rank: placement, groups and broadcasts have nothing to do.
@@ -64,6 +56,9 @@ class LocalCommunicator(ScalarMeans):
 
     def register_group(self, workers: Sequence[int]) -> None:
         pass
+
+    def ranks_of(self, workers: Sequence[int]) -> list[int]:
+        return [0]
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int) -> None:
         pass

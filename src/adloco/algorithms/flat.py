@@ -1,0 +1,23 @@
+"""One flat buffer for a list of tensors and back: collectives and gradient statistics work on flat rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors' elements, concatenated in order into one 1-D tensor (a new buffer)."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``like``, in order (clone them to outlive a reused buffer)."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    if offset != flat.numel():
+        raise ValueError(f"a flat buffer of {flat.numel()} elements does not hold tensors of {offset} elements")
+    return out

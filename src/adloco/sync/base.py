@@ -1,0 +1,122 @@
+"""The hooks every sync strategy answers, and what the DiLoCo family shares."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from adloco.comm.base import Communicator
+from adloco.config import TrainConfig
+from adloco.sync.exchange import DeltaExchange
+from adloco.sync.rounds import RoundState
+from adloco.trainer import Trainer
+from adloco.worker import Worker
+
+
+class SyncStrategy:
+    """Who talks when, for one method family. The cluster calls the hooks in this order every inner step
+    (``after_backward``, then the optimizer steps it allows, then ``after_inner_step``) and ``end_of_round``
+    once at the round boundary; ``flush`` at the end of training."""
+
+    saves_worker_params = False  # whether a worker's parameters can differ from θ at a round boundary
+
+    def __init__(
+        self, config: TrainConfig, comm: Communicator, trainers: dict[int, Trainer], workers: Mapping[int, Worker]
+    ) -> None:
+        self.config = config
+        self.comm = comm
+        self.trainers = trainers  # the cluster's own dict: merges remove trainers from it
+        self.workers = workers
+
+    def hosted(self, trainer: Trainer) -> list[int]:
+        return [w for w in trainer.worker_ids if w in self.workers]
+
+    def taking_part(self) -> list[Trainer]:
+        """Trainers with a worker on this rank; the others' state arrives with the cluster's synchronize."""
+        return [t for t in self.trainers.values() if self.hosted(t)]
+
+    def after_backward(self, state: RoundState, step: int) -> set[int]:
+        """Exchanges between backward and the optimizer step; returns the hosted workers that step now.
+
+        DiLoCo family: a worker whose loss or gradient is not finite sits out the rest of the round, locally:
+        the others learn it from its report at the round boundary.
+        """
+        for record in state.local.values():
+            if not record.steps[step].finite:
+                record.out = True
+        return {w for w, record in state.local.items() if not record.out}
+
+    def after_inner_step(self, state: RoundState, step: int) -> None:
+        """Exchanges due after inner step ``step`` of the round (streaming fragments)."""
+
+    def end_of_round(self, state: RoundState) -> None:
+        """The round's exchanges and outer steps; afterwards ``state.reports`` holds every worker of the
+        trainers this rank takes part in, and ``state.skipped`` the trainers that made no progress."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Apply whatever is still in flight (end of training)."""
+
+    @property
+    def peak_sync_bytes(self) -> int:
+        return 0
+
+    def worker_state(self, worker_id: int) -> dict:
+        """Per-worker outer state for the checkpoint (stored beside the worker's inner state)."""
+        return {}
+
+    def load_worker_state(self, worker_id: int, state: dict) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        """Exchanges in flight, keyed ``"trainer/fragment"``: the step at which each is applied and its Δ."""
+        return {}
+
+    def load_state_dict(self, pending: dict) -> None:
+        pass
+
+
+class DeltaStrategy(SyncStrategy):
+    """The DiLoCo family: workers drift for H steps, then exchange pseudo-gradients Δ (maybe quantized)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        comm: Communicator,
+        trainers: dict[int, Trainer],
+        workers: Mapping[int, Worker],
+        exchange: DeltaExchange,
+    ) -> None:
+        super().__init__(config, comm, trainers, workers)
+        self.exchange = exchange
+
+    @property
+    def peak_sync_bytes(self) -> int:
+        return self.exchange.peak_sync_bytes
+
+    def gather_reports(self, state: RoundState, trainer: Trainer) -> None:
+        """A round boundary whose Δ is not waited for now still has to tell every rank who did what."""
+        local = state.local_tensors(self.hosted(trainer))
+        gathered = self.comm.wait(self.comm.gather_with_reports({w: [] for w in local}, local, trainer.worker_ids))
+        state.learn(gathered.reports)
+
+    def mark_skipped(self, state: RoundState, trainer: Trainer) -> bool:
+        """Every worker of the trainer sat out: no outer step from this round."""
+        if all(state.reports[w].out for w in trainer.worker_ids):
+            state.skipped.add(trainer.trainer_id)
+            return True
+        return False
+
+    def worker_state(self, worker_id: int) -> dict:
+        return {"error_feedback": self.exchange.worker_state(worker_id)}
+
+    def load_worker_state(self, worker_id: int, state: dict) -> None:
+        self.exchange.load_worker_state(worker_id, state.get("error_feedback"))
+
+
+def completed(value: list[torch.Tensor]) -> torch.futures.Future:
+    """A future that is already done (exchanges restored from a checkpoint)."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(value)
+    return future

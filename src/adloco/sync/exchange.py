@@ -1,0 +1,124 @@
+"""The pseudo-gradient exchange every DiLoCo-family strategy shares: each hosted worker's Δ of one fragment,
+optionally encoded (with error feedback), gathered with the workers' reports in one collective, and averaged
+over the workers that were not out of the round."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass
+
+import torch
+from torch.futures import Future
+
+from adloco.algorithms.codecs import Codec, Encoded, ErrorFeedback, decode_and_average
+from adloco.algorithms.flat import flatten, unflatten
+from adloco.algorithms.outer import worker_delta
+from adloco.comm.base import Communicator, Gathered
+from adloco.trainer import Trainer
+from adloco.worker import Worker
+
+
+@dataclass
+class Exchanged:
+    """The mean Δ of one fragment over the healthy workers, and every worker's report that came with it."""
+
+    mean: list[torch.Tensor]
+    healthy: int
+    reports: dict[int, torch.Tensor]
+
+
+def _healthy(reports: Mapping[int, torch.Tensor]) -> int:
+    """Workers whose report does not say ``out`` (the first value of every report)."""
+    return sum(1 for r in reports.values() if r[0].item() == 0.0)
+
+
+def _averaged(gathered: Gathered, divisor: int) -> Exchanged:
+    assert gathered.total is not None
+    return Exchanged(mean=[t.div_(divisor) for t in gathered.total], healthy=divisor, reports=gathered.reports)
+
+
+class DeltaExchange:
+    """Start exchanges of Δ = θ − θ_m; the caller decides when to wait for them."""
+
+    def __init__(self, comm: Communicator, codec: Codec | None, error_feedback: bool, hosted: Sequence[int]) -> None:
+        self.comm = comm
+        self.codec = codec
+        # What quantization dropped, per hosted worker, added back to its next exchange of the same fragment.
+        self.feedback = {w: ErrorFeedback() for w in hosted} if codec is not None and error_feedback else {}
+        self.peak_sync_bytes = 0
+
+    def start(
+        self,
+        trainer: Trainer,
+        index: int,
+        workers: Mapping[int, Worker],
+        out: Set[int],
+        reports: Mapping[int, torch.Tensor] | None = None,
+        healthy: int | None = None,
+        bases: Mapping[int, Sequence[torch.Tensor]] | None = None,
+    ) -> Future[Exchanged]:
+        """Exchange fragment ``index`` of ``trainer``; a hosted worker in ``out`` sends zeros.
+
+        Each hosted worker's ``reports`` vector travels in the same collective; its first value says whether
+        the worker is out, and the mean is over the others. Without reports the caller already knows the
+        ``healthy`` count. Δ is measured from θ, or from each worker's own starting point in ``bases``.
+        """
+        if (reports is None) == (healthy is None):
+            raise ValueError("an exchange needs either the workers' reports or the healthy count")
+        fragment = trainer.fragments[index]
+        theta = [trainer.theta[i] for i in fragment]
+        local = {}
+        for w in trainer.worker_ids:
+            if w in workers:
+                base = theta if bases is None else [bases[w][i] for i in fragment]
+                mine = [workers[w].params[i] for i in fragment]
+                local[w] = [torch.zeros_like(t) for t in theta] if w in out else worker_delta(base, mine)
+        self._count(trainer, fragment)
+
+        def divisor(gathered: Gathered) -> int:
+            count = _healthy(gathered.reports) if healthy is None else healthy
+            return count or len(trainer.worker_ids)  # nobody healthy: the zeros stay zeros
+
+        if self.codec is None:
+            return self.comm.sum_with_reports(local, reports, trainer.worker_ids).then(
+                lambda done: _averaged(done.wait(), divisor(done.wait()))
+            )
+        key = f"{trainer.trainer_id}/{index}"
+        payloads = {w: self._encode(key, w, delta, w in out) for w, delta in local.items()}
+        like = next(iter(local.values()))
+        numel = sum(t.numel() for t in like)
+
+        def decode(done: Future) -> Exchanged:
+            gathered: Gathered = done.wait()
+            assert gathered.rows is not None and self.codec is not None
+            encoded = [Encoded(codes=c, scales=s if s.numel() else None, numel=numel) for c, s in gathered.rows]
+            count = divisor(gathered)
+            flat = decode_and_average(encoded, self.codec, divisor=count)
+            return Exchanged(mean=unflatten(flat, like), healthy=count, reports=gathered.reports)
+
+        return self.comm.gather_with_reports(payloads, reports, trainer.worker_ids).then(decode)
+
+    def _encode(self, key: str, worker_id: int, delta: list[torch.Tensor], out: bool) -> list[torch.Tensor]:
+        assert self.codec is not None
+        flat = flatten(delta)
+        feedback = None if out else self.feedback.get(worker_id)
+        if feedback is not None:
+            flat = feedback.compensate(key, flat)
+        encoded = self.codec.encode(flat)
+        if feedback is not None:
+            feedback.record(key, flat, self.codec.decode(encoded))
+        return [encoded.codes, encoded.scales if encoded.scales is not None else torch.zeros(0, dtype=torch.uint8)]
+
+    def _count(self, trainer: Trainer, fragment: Sequence[int]) -> None:
+        """Track the largest single exchange: every worker's payload for one fragment."""
+        numel = sum(trainer.theta[i].numel() for i in fragment)
+        per_worker = 4 * numel if self.codec is None else self.codec.encoded_nbytes(numel)
+        self.peak_sync_bytes = max(self.peak_sync_bytes, per_worker * len(trainer.worker_ids))
+
+    def worker_state(self, worker_id: int) -> dict | None:
+        feedback = self.feedback.get(worker_id)
+        return None if feedback is None else feedback.state_dict()
+
+    def load_worker_state(self, worker_id: int, state: dict | None) -> None:
+        if worker_id in self.feedback and state is not None:
+            self.feedback[worker_id].load_state_dict(state)

@@ -1,0 +1,138 @@
+"""DiLoCo with a whole round of overlap (arXiv 2502.12996): Δ travels while the next round computes.
+
+At a round boundary the workers' reports are gathered (a small blocking exchange: who was healthy), this
+round's Δ is sent without waiting, and the Δ sent a round ago, which has had a whole round to arrive, is
+applied. ``delayed``: θ takes that stale mean and every worker restarts from θ. ``eager``: each worker keeps its
+own outer parameters and momentum and steps them with the stale mean in which its own stale share is swapped
+for its fresh one, so its own latest drift is never late; θ itself lags by one exchange.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch.futures import Future
+
+from adloco.algorithms.outer import OuterOptimizer, eager_pseudo_gradient, worker_delta
+from adloco.comm.base import Communicator
+from adloco.config import TrainConfig
+from adloco.sync.base import DeltaStrategy, completed
+from adloco.sync.exchange import DeltaExchange
+from adloco.sync.rounds import RoundState
+from adloco.trainer import Trainer
+from adloco.worker import Worker
+
+
+class EagerCopy:
+    """Eager updates: a worker's own outer parameters and outer momentum, and its share of the mean Δ
+    still in flight. Workers start rounds from their own copies; θ itself lags them by one exchange."""
+
+    def __init__(self, theta: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool) -> None:
+        self.theta = [t.detach().clone() for t in theta]
+        self.outer = OuterOptimizer(self.theta, lr=lr, momentum=momentum, nesterov=nesterov)
+        self.share: list[torch.Tensor] | None = None
+
+    def state_dict(self) -> dict:
+        return {
+            "theta": [t.clone() for t in self.theta],
+            "outer": self.outer.state_dict(),
+            "share": None if self.share is None else [t.clone() for t in self.share],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for t, saved in zip(self.theta, state["theta"], strict=True):
+            t.copy_(saved)
+        self.outer.load_state_dict(state["outer"])
+        self.share = None if state["share"] is None else [t.clone() for t in state["share"]]
+
+    @torch.no_grad()
+    def step(self, arrived: Sequence[torch.Tensor] | None, fresh: list[torch.Tensor] | None) -> None:
+        """Outer step with the arrived mean, this worker's stale share swapped for its fresh one."""
+        if arrived is not None or self.share is not None or fresh is not None:
+            self.outer.step(eager_pseudo_gradient(arrived, self.share, fresh))
+        self.share = fresh
+
+
+class OverlappedSync(DeltaStrategy):
+    """``outer.overlap=delayed`` (``eager=False``) or ``eager``."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        comm: Communicator,
+        trainers: dict[int, Trainer],
+        workers: Mapping[int, Worker],
+        exchange: DeltaExchange,
+        eager: bool,
+    ) -> None:
+        super().__init__(config, comm, trainers, workers, exchange)
+        outer = config.outer
+        self.eager = {
+            w: EagerCopy(t.theta, outer.lr, outer.momentum, bool(outer.nesterov))
+            for t in trainers.values()
+            for w in t.worker_ids
+            if eager and w in workers
+        }
+        self.pending: dict[int, Future] = {}  # trainer -> mean Δ sent at the last round boundary
+
+    def end_of_round(self, state: RoundState) -> None:
+        for trainer in self.taking_part():
+            self.gather_reports(state, trainer)
+            key = trainer.trainer_id
+            arrived = self.comm.wait(self.pending.pop(key)) if key in self.pending else None
+            fresh: dict[int, list[torch.Tensor]] = {}
+            if not self.mark_skipped(state, trainer):
+                fresh = self._send(state, trainer)
+            self._apply(trainer, arrived, fresh)
+
+    def _send(self, state: RoundState, trainer: Trainer) -> dict[int, list[torch.Tensor]]:
+        """Start this round's exchange; return each eager worker's fresh share of the mean it will become."""
+        hosted = self.hosted(trainer)
+        bases = {w: self.eager[w].theta for w in hosted if w in self.eager} or None
+        healthy = sum(1 for w in trainer.worker_ids if not state.reports[w].out)
+        # The reports went ahead of Δ, so Δ travels alone: the same bytes as DiLoCo's single exchange.
+        future = self.exchange.start(trainer, 0, self.workers, state.out, healthy=healthy, bases=bases)
+        self.pending[trainer.trainer_id] = future.then(lambda done: done.wait().mean)
+        return {
+            w: [d.div_(healthy) for d in worker_delta(self.eager[w].theta, self.workers[w].params)]
+            for w in hosted
+            if w in self.eager and not state.reports[w].out
+        }
+
+    @torch.no_grad()
+    def _apply(
+        self, trainer: Trainer, arrived: list[torch.Tensor] | None, fresh: dict[int, list[torch.Tensor]]
+    ) -> None:
+        if arrived is not None:
+            trainer.outer_step(0, arrived)
+        for worker_id in self.hosted(trainer):
+            copy = self.eager.get(worker_id)
+            if copy is None:
+                self.workers[worker_id].load_params(trainer.theta)
+                continue
+            copy.step(arrived, fresh.get(worker_id))
+            self.workers[worker_id].load_params(copy.theta)
+
+    def flush(self) -> None:
+        for key in sorted(self.pending):
+            self.trainers[key].outer_step(0, self.comm.wait(self.pending.pop(key)))
+            self.trainers[key].broadcast(self.workers)
+
+    def worker_state(self, worker_id: int) -> dict:
+        copy = self.eager.get(worker_id)
+        return {**super().worker_state(worker_id), "eager": None if copy is None else copy.state_dict()}
+
+    def load_worker_state(self, worker_id: int, state: dict) -> None:
+        super().load_worker_state(worker_id, state)
+        copy = self.eager.get(worker_id)
+        if copy is not None and state.get("eager") is not None:
+            copy.load_state_dict(state["eager"])
+            self.workers[worker_id].load_params(copy.theta)  # it starts the next round from its own copy
+
+    def state_dict(self) -> dict:
+        return {f"{k}/0": {"due": 0, "delta": future.wait()} for k, future in self.pending.items()}
+
+    def load_state_dict(self, pending: dict) -> None:
+        self.pending = {int(key.split("/")[0]): completed(list(item["delta"])) for key, item in pending.items()}

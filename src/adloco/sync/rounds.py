@@ -1,0 +1,99 @@
+"""What a round leaves behind: each worker's steps, statistics and b_max, packed to travel with an exchange."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from adloco.algorithms.batch_tests import GradientStatistics
+
+_STAT_FIELDS = ("samples", "grad_norm_sq", "sample_variance", "ip_variance", "orth_variance")
+_HEAD = 2 + len(_STAT_FIELDS)  # out flag, b_max, statistics
+_PER_STEP = 3  # loss, tokens, finite
+
+
+@dataclass
+class StepRecord:
+    """One worker's inner step: its mean loss, the tokens it read, and whether loss and gradient were finite."""
+
+    loss: float
+    tokens: int
+    finite: bool
+
+
+SKIPPED_STEP = StepRecord(loss=math.nan, tokens=0, finite=False)  # a worker out of the round reads nothing
+
+
+@dataclass
+class WorkerRound:
+    """One worker's round. ``out``: it hit a non-finite value and sat out the rest of the round (every method
+    but DDP), so it contributes nothing to the round's exchange."""
+
+    steps: list[StepRecord] = field(default_factory=list)
+    statistics: GradientStatistics | None = None
+    b_max: int = 0
+    out: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return any(not s.finite for s in self.steps)
+
+    def to_tensor(self) -> torch.Tensor:
+        """A flat float64 vector (exact for every field) that rides in the round's exchange."""
+        stats = self.statistics
+        head = [float(self.out), float(self.b_max)]
+        head += [
+            math.nan if stats is None or getattr(stats, f) is None else float(getattr(stats, f)) for f in _STAT_FIELDS
+        ]
+        body = [x for s in self.steps for x in (s.loss, float(s.tokens), float(s.finite))]
+        return torch.tensor(head + body, dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, packed: torch.Tensor) -> WorkerRound:
+        values = packed.tolist()
+        if len(values) < _HEAD or (len(values) - _HEAD) % _PER_STEP:
+            raise ValueError(f"a worker's round report has {len(values)} values, which no report layout has")
+        stats = dict(zip(_STAT_FIELDS, values[2:_HEAD], strict=True))
+        statistics = None
+        if not math.isnan(stats["samples"]):
+            statistics = GradientStatistics(
+                samples=int(stats.pop("samples")), **{k: None if math.isnan(v) else v for k, v in stats.items()}
+            )
+        steps = [
+            StepRecord(loss=values[i], tokens=int(values[i + 1]), finite=bool(values[i + 2]))
+            for i in range(_HEAD, len(values), _PER_STEP)
+        ]
+        return cls(steps=steps, statistics=statistics, b_max=int(values[1]), out=bool(values[0]))
+
+    def merge_step(self, step: WorkerRound) -> None:
+        """Append a one-step report (DDP learns every worker's step as it happens)."""
+        self.steps.extend(step.steps)
+        self.statistics = self.statistics or step.statistics
+        self.b_max = step.b_max
+
+
+@dataclass
+class RoundState:
+    """One round in progress on this rank: what its hosted workers did (``local``) and, once the round's
+    exchanges are done, what every worker of every trainer did (``reports``)."""
+
+    index: int
+    steps: int
+    first_step: int
+    statistics_due: bool
+    local: dict[int, WorkerRound] = field(default_factory=dict)
+    reports: dict[int, WorkerRound] = field(default_factory=dict)
+    skipped: set[int] = field(default_factory=set)
+
+    @property
+    def out(self) -> set[int]:
+        """Hosted workers out of the round after a non-finite loss or gradient."""
+        return {w for w, r in self.local.items() if r.out}
+
+    def local_tensors(self, worker_ids: list[int]) -> dict[int, torch.Tensor]:
+        return {w: self.local[w].to_tensor() for w in worker_ids if w in self.local}
+
+    def learn(self, packed: dict[int, torch.Tensor]) -> None:
+        self.reports.update({w: WorkerRound.from_tensor(t) for w, t in packed.items()})

@@ -1,0 +1,73 @@
+"""Streaming DiLoCo (arXiv 2501.18512): P parameter fragments, each synced once per round at its own offset.
+
+Fragment p sends its Δ_p at inner steps t_p, t_p + H, … (t_p = p·H/P) and applies it τ steps later:
+θ̃_p = OuterOpt_p(θ_p, Δ_p), then every worker's fragment becomes α·local + (1 − α)·θ̃_p. Peak traffic is one
+fragment instead of the whole model, and the exchange overlaps τ inner steps. The round boundary gathers the
+workers' reports only (who was healthy, their losses and statistics); each fragment exchange carries the
+health flags it needs to average over the healthy workers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.futures import Future
+
+from adloco.algorithms.fragments import mix
+from adloco.algorithms.schedules import fragments_receiving_at, fragments_sending_at
+from adloco.sync.base import DeltaStrategy, completed
+from adloco.sync.rounds import RoundState
+from adloco.trainer import Trainer
+
+
+class StreamingSync(DeltaStrategy):
+    saves_worker_params = True  # between syncs a worker's fragments are its own, not θ's
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # (trainer, fragment) -> (global step at which it is applied, future of the mean Δ_p)
+        self.pending: dict[tuple[int, int], tuple[int, Future]] = {}
+
+    def after_inner_step(self, state: RoundState, step: int) -> None:
+        """Global inner step t (1-based): start the fragments due to send, apply those sent τ steps ago."""
+        stream = self.config.streaming
+        assert stream.fragments is not None and stream.overlap is not None and stream.alpha is not None
+        t = state.first_step + step + 1
+        for trainer in self.taking_part():
+            flags = {w: torch.tensor([float(state.local[w].out)], dtype=torch.float64) for w in self.hosted(trainer)}
+            for p in fragments_sending_at(t, self.config.sync_every, stream.fragments):
+                future = self.exchange.start(trainer, p, self.workers, state.out, reports=flags)
+                self.pending[(trainer.trainer_id, p)] = (t + stream.overlap, future.then(lambda f: f.wait().mean))
+        for trainer in self.taking_part():
+            for p in fragments_receiving_at(t, self.config.sync_every, stream.fragments, stream.overlap):
+                _, future = self.pending.pop((trainer.trainer_id, p))
+                self._apply(trainer, p, self.comm.wait(future), stream.alpha)
+
+    @torch.no_grad()
+    def _apply(self, trainer: Trainer, index: int, delta: list[torch.Tensor], alpha: float) -> None:
+        """θ_p ← OuterOpt_p(θ_p, Δ_p); hosted workers' fragment ← α·local + (1 − α)·θ_p."""
+        trainer.outer_step(index, delta)
+        for worker_id in self.hosted(trainer):
+            params = self.workers[worker_id].params
+            for i in trainer.fragments[index]:
+                params[i].copy_(mix(params[i], trainer.theta[i].to(params[i].device), alpha))
+
+    def end_of_round(self, state: RoundState) -> None:
+        for trainer in self.taking_part():
+            self.gather_reports(state, trainer)
+            if self.mark_skipped(state, trainer):
+                trainer.broadcast(self.workers)  # every worker failed: all restart from θ
+
+    def flush(self) -> None:
+        alpha = self.config.streaming.alpha or 0.0
+        for key in sorted(self.pending):
+            _, future = self.pending.pop(key)
+            self._apply(self.trainers[key[0]], key[1], self.comm.wait(future), alpha)
+
+    def state_dict(self) -> dict:
+        return {f"{k}/{p}": {"due": due, "delta": future.wait()} for (k, p), (due, future) in self.pending.items()}
+
+    def load_state_dict(self, pending: dict) -> None:
+        self.pending = {}
+        for key, item in pending.items():
+            trainer_id, fragment = (int(x) for x in key.split("/"))
+            self.pending[(trainer_id, fragment)] = (int(item["due"]), completed(list(item["delta"])))

@@ -1,0 +1,42 @@
+"""The pseudo-gradient exchange: means over the healthy workers, with and without a codec."""
+
+import torch
+
+from adloco.algorithms.batch_tests import BatchSizeController
+from adloco.algorithms.codecs import get_codec
+from adloco.comm import LocalCommunicator
+from adloco.sync import DeltaExchange, WorkerRound
+from adloco.trainer import Trainer
+
+
+class _Slot:
+    def __init__(self, value):
+        self.params = [torch.full((4,), value)]
+
+
+def _trainer():
+    return Trainer(0, [torch.zeros(4)], [0, 1, 2], 1, 1.0, 0.0, False, BatchSizeController(test="constant", b_cap=1))
+
+
+def _reports(out):
+    return {w: WorkerRound(out=w in out).to_tensor() for w in range(3)}
+
+
+def test_the_mean_is_over_the_workers_not_out():
+    comm = LocalCommunicator()
+    slots = {0: _Slot(-1.0), 1: _Slot(-2.0), 2: _Slot(float("nan"))}  # worker 2 went non-finite
+    exchange = DeltaExchange(comm, None, False, [0, 1, 2])
+    done = comm.wait(exchange.start(_trainer(), 0, slots, {2}, reports=_reports({2})))
+    assert torch.equal(done.mean[0], torch.full((4,), 1.5)) and done.healthy == 2
+    assert set(done.reports) == {0, 1, 2} and WorkerRound.from_tensor(done.reports[2]).out
+    assert comm.stats.exchanges == 1 and comm.stats.bytes_sent > 3 * 4 * 4
+
+
+def test_a_known_healthy_count_needs_no_reports_and_a_codec_decodes_the_same_mean():
+    comm = LocalCommunicator()
+    slots = {0: _Slot(-1.0), 1: _Slot(-2.0), 2: _Slot(-3.0)}
+    plain = DeltaExchange(comm, None, False, [0, 1, 2]).start(_trainer(), 0, slots, set(), healthy=3)
+    coded = DeltaExchange(comm, get_codec("bf16"), False, [0, 1, 2]).start(_trainer(), 0, slots, set(), healthy=3)
+    assert torch.equal(comm.wait(plain).mean[0], torch.full((4,), 2.0))
+    assert torch.equal(comm.wait(coded).mean[0], torch.full((4,), 2.0))  # 1, 2, 3 are exact in bf16
+    assert comm.wait(plain).reports == {}

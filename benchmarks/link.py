@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import select
 import shlex
 import shutil
 import signal
@@ -42,9 +43,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "link-and-peers.md"
 RESULTS = ROOT / "benchmarks" / "results" / "link.json"
+LATENCY_RESULTS = ROOT / "benchmarks" / "results" / "latency.json"
 BEGIN, END = "<!-- link:begin -->", "<!-- link:end -->"
+LATENCY_BEGIN, LATENCY_END = "<!-- latency:begin -->", "<!-- latency:end -->"
 SUBNET = "10.77.0"
 TBF_LATENCY = "400ms"  # how long a packet may wait in the bucket's queue before tbf drops it (not a delay)
+
+# Issue 14: with H = 10, DiLoCo's time to the target at 50 ms round trip is at most 1.15x its time at ~0 ms.
+LATENCY_TARGET = 1.15
 
 # Issue 6: on the 100 Mbit/s link, time to DDP's final loss >= 10x shorter than DDP's and >= 1.3x shorter
 # than DiLoCo's.
@@ -120,13 +126,18 @@ def _run(command: list[str]) -> None:
 
 @dataclass(frozen=True)
 class Link:
-    """Rank namespaces joined through a bridge in a hub namespace, every veth end limited to ``rate_mbit``."""
+    """Rank namespaces joined through a hub namespace, every rank's upload and download limited to ``rate_mbit``.
+
+    ``rtt_ms`` is None for the bridge with tbf buckets (a near-zero round trip), else the round-trip time the
+    delay line adds (benchmarks/delay_line.py).
+    """
 
     namespaces: tuple[str, ...]
     interfaces: tuple[str, ...]
     addresses: tuple[str, ...]
     hub: str
     rate_mbit: int
+    rtt_ms: float | None = None
 
     def exec_prefix(self, rank: int) -> list[str]:
         """The command prefix that runs a program inside rank ``rank``'s namespace."""
@@ -177,73 +188,190 @@ def namespace_link(rate_mbit: int, ranks: int = 2, prefix: str = "adl") -> Itera
         _delete_namespaces([*names, hub])
 
 
-_RECEIVER = """
+DELAY_LINE = ROOT / "benchmarks" / "delay_line.py"
+# A 50 ms link at 1 Gbit/s holds 6.25 MB in flight; the kernel's default socket buffers (4 MB at most for
+# sending) would cap TCP below the rate, so every rank namespace gets the maxima one sets on a long fat link.
+TCP_BUFFERS = {"net.ipv4.tcp_rmem": "4096 131072 33554432", "net.ipv4.tcp_wmem": "4096 16384 33554432"}
+SLOW_START_AFTER_IDLE = "net.ipv4.tcp_slow_start_after_idle"
+
+
+@contextmanager
+def delay_link(rate_mbit: int, rtt_ms: float, ranks: int = 2, prefix: str = "adl") -> Iterator[Link]:
+    """Rank namespaces joined by the userspace delay line: ``rate_mbit`` each way, ``rtt_ms`` round trip.
+
+    The delay line runs in the hub namespace and creates one TUN device per rank there; each device is then moved
+    into its rank's namespace. Everything is removed on the way out, the delay line stopped.
+    """
+    if not 2 <= ranks <= 8:
+        raise LinkError(f"ranks must be between 2 and 8, got {ranks}")
+    names = tuple(f"{prefix}ns{k}" for k in range(ranks))
+    hub = f"{prefix}hub"
+    interfaces = tuple(f"{prefix}v{k}" for k in range(ranks))
+    addresses = tuple(f"{SUBNET}.{k + 1}" for k in range(ranks))
+    _delete_namespaces([*names, hub])
+    line: subprocess.Popen | None = None
+    try:
+        for name in (*names, hub):
+            _run(["ip", "netns", "add", name])
+        line = subprocess.Popen(
+            ["ip", "netns", "exec", hub, sys.executable, str(DELAY_LINE), "--devices", ",".join(interfaces),
+             "--addresses", ",".join(addresses), "--rate-mbit", str(rate_mbit), "--delay-ms", str(rtt_ms / 2)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        _await_ready(line)
+        for rank in range(ranks):
+            ns, dev = names[rank], interfaces[rank]
+            _run(["ip", "-n", hub, "link", "set", dev, "netns", ns])
+            _run(["ip", "-n", ns, "addr", "add", f"{addresses[rank]}/24", "dev", dev])
+            _run(["ip", "-n", ns, "link", "set", dev, "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            for key, value in TCP_BUFFERS.items():
+                _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}"])
+        yield Link(names, interfaces, addresses, hub, rate_mbit, rtt_ms)
+    finally:
+        if line is not None:
+            _stop_delay_line(line)
+        _delete_namespaces([*names, hub])
+
+
+def _await_ready(line: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    assert line.stdout is not None
+    ready, _, _ = select.select([line.stdout], [], [], timeout_s)
+    if not ready or line.stdout.readline().strip() != "ready":
+        line.kill()
+        _, err = line.communicate(timeout=10)
+        raise LinkError(f"the delay line did not start: {err.strip()[-300:] or 'no answer in time'}")
+
+
+def _stop_delay_line(line: subprocess.Popen) -> None:
+    """Close the delay line's input (it exits and prints its counts); kill it if it does not."""
+    try:
+        out, err = line.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        line.kill()
+        out, err = line.communicate()
+    if line.returncode not in (0, -signal.SIGKILL):
+        print(f"  delay line exited {line.returncode}: {err.strip()[-300:]}", flush=True)
+    elif out.strip():
+        print(f"  delay line: {out.strip().splitlines()[-1]}", flush=True)
+
+
+def set_slow_start_after_idle(link: Link, enabled: bool) -> None:
+    """Linux's default (on) shrinks TCP's window back to 10 segments after an idle spell longer than one RTO."""
+    for ns in link.namespaces:
+        _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{SLOW_START_AFTER_IDLE}={int(enabled)}"])
+
+
+# One server and one client for every probe of a link; each prints its figure on stdout.
+#   server echo: returns every byte | ack SIZE: one byte back per SIZE bytes received | count: bytes, seconds
+#   client ping COUNT: median one-byte round trip (ms) | bursts SIZE IDLE COUNT: median ms per acknowledged
+#   burst after IDLE s of silence | stream SIZE: sends SIZE bytes and closes
+_PROBE_SERVER = """
 import socket, sys, time
+address, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 server = socket.socket()
 server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-server.bind((sys.argv[1], int(sys.argv[2])))
+server.bind((address, port))
 server.listen(1)
 server.settimeout(60)
 print("ready", flush=True)
 conn, _ = server.accept()
 conn.settimeout(60)
-total, first = 0, None
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+size = int(sys.argv[4]) if mode == "ack" else 0
+total, pending, first = 0, 0, None
 while True:
-    chunk = conn.recv(1 << 20)
+    chunk = conn.recv(1 if mode == "echo" else 1 << 20)
     if not chunk:
         break
-    if first is None:
-        first = time.perf_counter()
-    total += len(chunk)
-print(total, time.perf_counter() - first, flush=True)
+    first = first if first is not None else time.perf_counter()
+    total, pending = total + len(chunk), pending + len(chunk)
+    if mode == "echo":
+        conn.sendall(chunk)
+    elif mode == "ack" and pending >= size:
+        pending -= size
+        conn.sendall(b"x")
+if mode == "count":
+    print(total, time.perf_counter() - first, flush=True)
 """
 
-_SENDER = """
-import socket, sys, time
+_PROBE_CLIENT = """
+import socket, statistics, sys, time
+address, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 deadline = time.monotonic() + 30
 while True:
     try:
-        sock = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+        sock = socket.create_connection((address, port), timeout=60)
         break
     except OSError:
         if time.monotonic() > deadline:
             raise
         time.sleep(0.1)
-payload = bytes(1 << 20)
-for _ in range(int(sys.argv[3])):
+sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+if mode == "stream":
+    sock.sendall(bytes(int(sys.argv[4])))
+    sock.close()
+    raise SystemExit(0)
+payload, idle, count = (b"x", 0.0, int(sys.argv[4])) if mode == "ping" else (
+    bytes(int(sys.argv[4])), float(sys.argv[5]), int(sys.argv[6]))
+times = []
+for _ in range(count):
+    time.sleep(idle)
+    start = time.perf_counter()
     sock.sendall(payload)
-sock.close()
+    if sock.recv(1) != b"x":
+        raise SystemExit("no answer")
+    times.append(time.perf_counter() - start)
+print(statistics.median(times) * 1e3, flush=True)
 """
+
+
+def _probe(link: Link, src: int, dst: int, port: int, server: list[str], client: list[str]) -> tuple[str, str]:
+    """Run the probe server in ``dst``'s namespace and the client in ``src``'s; both their outputs."""
+    where = [link.addresses[dst], str(port)]
+    listener = subprocess.Popen(
+        [*link.exec_prefix(dst), sys.executable, "-c", _PROBE_SERVER, *where, *server],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        if listener.stdout is None or listener.stdout.readline().strip() != "ready":
+            raise LinkError(f"probe server did not start: {listener.stderr.read() if listener.stderr else ''}")
+        done = subprocess.run(
+            [*link.exec_prefix(src), sys.executable, "-c", _PROBE_CLIENT, *where, *client],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise LinkError(f"probe client failed: {done.stderr.strip()[-300:]}")
+        out, err = listener.communicate(timeout=60)
+    finally:
+        if listener.poll() is None:
+            listener.kill()
+            listener.communicate()
+    if listener.returncode != 0:
+        raise LinkError(f"probe server failed: {err.strip()[-300:]}")
+    return out.strip(), done.stdout.strip()
+
+
+def measure_rtt(link: Link, count: int = 20, port: int = 29700, src: int = 0, dst: int = 1) -> float:
+    """Median round-trip time in ms of a one-byte TCP echo from rank ``src``'s namespace to rank ``dst``'s."""
+    return float(_probe(link, src, dst, port, ["echo"], ["ping", str(count)])[1])
+
+
+def measure_burst(
+    link: Link, megabytes: int = 4, idle_s: float = 0.5, count: int = 5, port: int = 29650, src: int = 0, dst: int = 1
+) -> float:
+    """Median ms to deliver ``megabytes`` after ``idle_s`` of silence on one TCP connection: a DiLoCo exchange."""
+    size = str(megabytes << 20)
+    return float(_probe(link, src, dst, port, ["ack", size], ["bursts", size, str(idle_s), str(count)])[1])
 
 
 def measure_rate(link: Link, megabytes: int = 8, port: int = 29600, src: int = 0, dst: int = 1) -> float:
     """Mbit/s achieved by one TCP stream from rank ``src``'s namespace to rank ``dst``'s (counted at the receiver)."""
-    receiver = subprocess.Popen(
-        [*link.exec_prefix(dst), sys.executable, "-c", _RECEIVER, link.addresses[dst], str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    counted, _ = _probe(link, src, dst, port, ["count"], ["stream", str(megabytes << 20)])
     try:
-        if receiver.stdout is None or receiver.stdout.readline().strip() != "ready":
-            raise LinkError(f"rate probe receiver did not start: {receiver.stderr.read() if receiver.stderr else ''}")
-        subprocess.run(
-            [*link.exec_prefix(src), sys.executable, "-c", _SENDER, link.addresses[dst], str(port), str(megabytes)],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        out, err = receiver.communicate(timeout=60)
-    except subprocess.CalledProcessError as error:
-        raise LinkError(f"rate probe sender failed: {error.stderr.decode().strip()[-300:]}") from error
-    finally:
-        if receiver.poll() is None:
-            receiver.kill()
-            receiver.communicate()
-    try:
-        received, seconds = out.split()
+        received, seconds = counted.split()
     except ValueError as error:
-        raise LinkError(f"rate probe failed: {err.strip()}") from error
+        raise LinkError(f"rate probe failed: {counted!r}") from error
     if int(received) != megabytes << 20:
         raise LinkError(f"rate probe received {received} of {megabytes << 20} bytes")
     return int(received) * 8 / float(seconds) / 1e6
@@ -404,6 +532,7 @@ def summarise(records: Sequence[dict[str, Any]], target: float) -> dict[str, Any
         "rounds": len(rounds),
         "bytes": int(rounds[-1]["bytes_total"]),
         "comm_seconds": sum(float(r.get("comm_seconds") or 0.0) for r in rounds),
+        "exchanges": sum(int(r.get("exchanges") or 0) for r in rounds),  # rank 0's blocking exchanges
         "time_to_target": reached[0] if reached else None,
         "tokens_to_target": reached[1] if reached else None,
     }
@@ -416,7 +545,8 @@ def run_rate(link: Link, args: argparse.Namespace, root: Path) -> dict[str, Any]
     ranks = len(link.namespaces)
     for method in ["ddp", *[m for m in args.methods if m != "ddp"]]:
         tokens = args.tokens if method == "ddp" else int(args.tokens * args.budget_factor)
-        name = f"{method}-{link.rate_mbit}mbit-{ranks}ranks"
+        delay = "" if link.rtt_ms is None else f"-{link.rtt_ms:g}ms"
+        name = f"{method}-{link.rate_mbit}mbit{delay}-{ranks}ranks"
         settings = [*COMMON, *method_overrides(method, ranks), f"total_tokens={tokens}", f"seed={args.seed}"]
         settings += args.extra
         overrides = [*settings, f"run.root={root}", f"run.name={name}"]  # the results keep only the settings
@@ -494,30 +624,30 @@ def _ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}×"
 
 
-def rate_table(rate_mbit: int, measured_mbit: float, results: dict[str, Any]) -> str:
-    """Markdown table of one rate's runs."""
+def rate_table(title: str, results: dict[str, Any]) -> str:
+    """Markdown table of one link's runs under a bold ``title``."""
     target = results.get("ddp", {}).get("val_loss")
     lines = [
-        f"**{rate_mbit} Mbit/s** tbf (measured {measured_mbit:.0f} Mbit/s rank 0 → rank 1); target = DDP's final "
-        "val loss " + (f"{target:.4f}" if target is not None else "(DDP failed)"),
+        f"**{title}**; target = DDP's final val loss " + (f"{target:.4f}" if target is not None else "(DDP failed)"),
         "",
-        "| method | tokens run | val loss at end | training s | comm s | bytes sent | time to target "
+        "| method | tokens run | val loss at end | training s | comm s | exchanges | bytes sent | time to target "
         "| tokens to target | speed-up vs DDP | vs DiLoCo |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base = {m: results.get(m, {}).get("time_to_target") for m in ("ddp", "diloco")}
     for method, r in results.items():
         if "error" in r:
-            lines.append(f"| {method} | — | failed: {r['error'][:80]} | | | | | | | |")
+            lines.append(f"| {method} | — | failed: {r['error'][:80]} | | | | | | | | |")
             continue
         t = r["time_to_target"]
         vs = [_ratio(base[m] / t if t and base[m] else None) for m in ("ddp", "diloco")]
         to_target = "—" if r["tokens_to_target"] is None else f"{r['tokens_to_target']:,}"
         run = f"{r['tokens']:,}" + (" (stopped)" if r.get("stopped_at_target") else "")
+        reached = "not reached" if t is None else f"{t:.1f} s"
         lines.append(
             f"| {method} | {run} | {r['val_loss']:.4f} | {r['seconds']:.1f} | {r['comm_seconds']:.1f} "
-            f"| {r['bytes'] / 1e6:,.1f} MB | {'not reached' if t is None else f'{t:.1f} s'} | {to_target} "
-            f"| {vs[0]} | {vs[1]} |"
+            f"| {r.get('exchanges', 0):,} | {r['bytes'] / 1e6:,.1f} MB | {reached} "
+            f"| {to_target} | {vs[0]} | {vs[1]} |"
         )
     return "\n".join(lines)
 
@@ -585,14 +715,113 @@ def markdown(report: dict[str, Any]) -> str:
         f"DDP {report['ddp_tokens']:,} tokens, the others up to {report['other_tokens']:,}"
         + (" (stopped once they reach the target)." if not report["run_to_budget"] else ".")
     )
-    tables = [rate_table(int(rate), r["measured_mbit"], r["results"]) for rate, r in report["rates"].items()]
+    tables = [
+        rate_table(f"{rate} Mbit/s tbf (measured {r['measured_mbit']:.0f} Mbit/s rank 0 → rank 1)", r["results"])
+        for rate, r in report["rates"].items()
+    ]
     return "\n\n".join([head, *tables, targets_text(report.get("targets"))])
+
+
+def parse_links(text: str) -> list[tuple[int, float]]:
+    """``"100@0,100@50"`` -> [(100, 0.0), (100, 50.0)]: rate in Mbit/s @ round-trip time in ms."""
+    links = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        rate, sep, rtt = part.partition("@")
+        try:
+            link = (int(rate), float(rtt))
+        except ValueError:
+            raise ValueError(f"--links wants RATE@RTT entries such as 100@50, got {part!r}") from None
+        if not sep or link[0] <= 0 or link[1] < 0:
+            raise ValueError(f"--links wants RATE@RTT with a positive rate and RTT >= 0, got {part!r}")
+        links.append(link)
+    return links
+
+
+def latency_checks(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """DiLoCo's time to the target at each delayed link against the same rate and ranks at ~0 ms."""
+    base = {(r["ranks"], r["rate_mbit"]): r for r in runs if r["rtt_ms"] == 0}
+    checks = []
+    for run in runs:
+        zero = base.get((run["ranks"], run["rate_mbit"]))
+        if run["rtt_ms"] == 0 or zero is None:
+            continue
+        slow = run["results"].get("diloco", {}).get("time_to_target")
+        fast = zero["results"].get("diloco", {}).get("time_to_target")
+        ratio = slow / fast if slow and fast else None
+        checks.append({"ranks": run["ranks"], "rate_mbit": run["rate_mbit"], "rtt_ms": run["rtt_ms"],
+                       "ratio": ratio, "met": ratio is not None and ratio <= LATENCY_TARGET})  # fmt: skip
+    return checks
+
+
+def latency_markdown(report: dict[str, Any]) -> str:
+    """The latency section of docs/link-and-peers.md: one table per (ranks, rate, RTT), then the target."""
+    v = report["versions"]
+    head = (
+        f"Measured {report['date']} with `{report['command']}`: adloco {v['adloco']}, torch {v['torch']}, "
+        f"Python {v['python']}; {report['machine']}. One thread per rank, seed {report['seed']}; DDP "
+        f"{report['ddp_tokens']:,} tokens, the others up to {report['other_tokens']:,} (stopped once they reach "
+        "the target). Every link is the delay line, the ~0 ms rows included."
+    )
+    tables = []
+    for run in report["runs"]:
+        title = (
+            f"{run['ranks']} ranks, {run['rate_mbit']} Mbit/s, {run['rtt_ms']:g} ms RTT (measured "
+            f"{run['measured_mbit']:.0f} Mbit/s and {run['measured_rtt_ms']:.1f} ms rank 0 → rank 1)"
+        )
+        burst = run["burst_ms"]
+        note = (
+            f"A 4 MB burst after 0.5 s idle takes {burst['slow_start']:.0f} ms with the kernel's slow start after "
+            f"idle and {burst['kept_window']:.0f} ms without it (as in these runs)."
+        )
+        tables.append(rate_table(title, run["results"]) + "\n\n" + note)
+    lines = [f"Target: DiLoCo's time to the target at 50 ms RTT ≤ {LATENCY_TARGET:g}× its time at ~0 ms.", ""]
+    for check in report["checks"]:
+        figure = "target not reached" if check["ratio"] is None else f"{check['ratio']:.2f}×"
+        verdict = "met" if check["met"] else "not met"
+        lines.append(
+            f"- {check['ranks']} ranks, {check['rate_mbit']} Mbit/s, {check['rtt_ms']:g} ms: **{verdict}** ({figure})"
+        )
+    return "\n\n".join([head, *tables, "\n".join(lines)])
+
+
+def run_latency(args: argparse.Namespace, links: list[tuple[int, float]], report: dict[str, Any]) -> None:
+    """Every method over the delay line, for every rank count and (rate, RTT); runs go into ``report``."""
+    report["runs"] = []
+    for ranks in args.ranks:
+        for rate, rtt in links:
+            print(f"delay line at {rate} Mbit/s, {rtt:g} ms RTT, {ranks} ranks", flush=True)
+            with delay_link(rate, rtt, ranks) as link:
+                measured_rtt = measure_rtt(link)
+                measured = measure_rate(link, megabytes=max(4, min(64, rate // 8)))
+                burst = {}
+                for enabled in (True, False):  # the kernel's default first; the runs go without it
+                    set_slow_start_after_idle(link, enabled)
+                    burst["slow_start" if enabled else "kept_window"] = measure_burst(link, port=29650 + enabled)
+                print(
+                    f"  measured {measured:.1f} Mbit/s, {measured_rtt:.2f} ms round trip; 4 MB after 0.5 s idle: "
+                    f"{burst['slow_start']:.0f} ms, {burst['kept_window']:.0f} ms keeping the window",
+                    flush=True,
+                )
+                results = run_rate(link, args, args.out)
+            report["runs"].append(
+                {
+                    "ranks": ranks,
+                    "rate_mbit": rate,
+                    "rtt_ms": rtt,
+                    "measured_mbit": measured,
+                    "measured_rtt_ms": measured_rtt,
+                    "burst_ms": burst,
+                    "results": results,
+                }
+            )
+    report["checks"] = latency_checks(report["runs"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="100,1000", help="link rates in Mbit/s, comma-separated")
-    parser.add_argument("--ranks", type=int, default=2, help="ranks, one namespace each (2-4 sensible)")
+    parser.add_argument("--ranks", default="2", help="ranks, one namespace each (2-4 sensible); a list with --links")
+    parser.add_argument("--links", help="RATE@RTT list (Mbit/s @ ms), e.g. 100@0,100@50: the delay line, not tbf")
     parser.add_argument("--tokens", type=int, default=256_000, help="DDP's training tokens (default 256000)")
     parser.add_argument("--budget-factor", type=float, default=2.0, help="other methods' token cap / DDP's")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated, of " + ",".join(METHODS))
@@ -616,12 +845,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--rates wants integers in Mbit/s, got {args.rates!r}")
     if any(r <= 0 for r in rates):
         parser.error(f"--rates must be positive, got {args.rates!r}")
-    if not 2 <= args.ranks <= 8:
-        parser.error(f"--ranks must be between 2 and 8, got {args.ranks}")
+    try:
+        args.ranks = [int(r) for r in args.ranks.split(",")]
+    except ValueError:
+        parser.error(f"--ranks wants integers, got {args.ranks!r}")
+    try:
+        links = parse_links(args.links) if args.links else None
+    except ValueError as error:
+        parser.error(str(error))
+    if not all(2 <= r <= 8 for r in args.ranks) or (links is None and len(args.ranks) != 1):
+        parser.error(f"--ranks must be between 2 and 8 (a list only with --links), got {args.ranks}")
+    if links is not None:
+        args.json = LATENCY_RESULTS if args.json == RESULTS else args.json
+    markers = (BEGIN, END) if links is None else (LATENCY_BEGIN, LATENCY_END)
     if args.tokens <= 0 or args.budget_factor < 1:
         parser.error("--tokens must be positive and --budget-factor at least 1")
-    if args.write and not (args.doc.exists() and BEGIN in args.doc.read_text() and END in args.doc.read_text()):
-        parser.error(f"--write: {args.doc} has no {BEGIN} ... {END} markers")
+    if args.write and not (args.doc.exists() and all(m in args.doc.read_text() for m in markers)):
+        parser.error(f"--write: {args.doc} has no {markers[0]} ... {markers[1]} markers")
     reason = netns_unavailable()
     if reason is not None:
         print(f"skipped: {reason}")
@@ -639,18 +879,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": shlex.join(["python", "benchmarks/link.py", *(argv if argv is not None else sys.argv[1:])]),
         "versions": {"adloco": adloco.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "machine": machine(),
-        "ranks": args.ranks,
+        "ranks": args.ranks[0] if links is None else args.ranks,
         "seed": args.seed,
         "ddp_tokens": args.tokens,
         "other_tokens": int(args.tokens * args.budget_factor),
         "run_to_budget": args.run_to_budget,
-        "tbf": {"burst": {str(r): burst_for(r) for r in rates}, "latency": TBF_LATENCY},
-        "rates": {},
     }
+    if links is not None:
+        try:
+            run_latency(args, links, report)
+        except LinkError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        publish(report, latency_markdown(report), args.json, args.doc if args.write else None, markers)
+        return 0
+    report["tbf"] = {"burst": {str(r): burst_for(r) for r in rates}, "latency": TBF_LATENCY}
+    report["rates"] = {}
     try:
         for rate in rates:
-            print(f"link at {rate} Mbit/s, {args.ranks} ranks", flush=True)
-            with namespace_link(rate, args.ranks) as link:
+            print(f"link at {rate} Mbit/s, {args.ranks[0]} ranks", flush=True)
+            with namespace_link(rate, args.ranks[0]) as link:
                 measured = measure_rate(link, megabytes=max(4, min(64, rate // 8)))
                 print(f"  measured {measured:.1f} Mbit/s", flush=True)
                 results = run_rate(link, args, args.out)

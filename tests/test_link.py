@@ -97,6 +97,42 @@ def test_targets_are_met_or_not_with_the_figure():
     assert "Not measured" in link.targets_text(None)
 
 
+def test_links_are_rate_at_round_trip_pairs():
+    assert link.parse_links("100@0, 1000@50") == [(100, 0.0), (1000, 50.0)]
+    for bad in ("100", "fast@50", "100@-1", "0@50"):
+        with pytest.raises(ValueError, match="--links wants RATE@RTT"):
+            link.parse_links(bad)
+
+
+def _latency_run(ranks, rate, rtt, diloco_seconds):
+    results = {"ddp": _result(500.0), "diloco": _result(diloco_seconds)}
+    return {"ranks": ranks, "rate_mbit": rate, "rtt_ms": rtt, "results": results}
+
+
+def test_latency_target_compares_diloco_with_the_same_rate_and_ranks_at_zero_delay():
+    runs = [
+        _latency_run(2, 100, 0, 40.0),
+        _latency_run(2, 100, 50, 44.0),  # 1.10x: met
+        _latency_run(4, 100, 0, 40.0),
+        _latency_run(4, 100, 50, 48.0),  # 1.20x: not met
+        _latency_run(2, 1000, 50, 30.0),  # no ~0 ms run at 1 Gbit/s to compare with
+        _latency_run(2, 10, 0, None),
+        _latency_run(2, 10, 50, 30.0),  # the ~0 ms run never reached the target
+    ]
+    checks = link.latency_checks(runs)
+    assert [(c["ranks"], c["rate_mbit"], c["met"]) for c in checks] == [(2, 100, True), (4, 100, False), (2, 10, False)]
+    assert checks[0]["ratio"] == pytest.approx(1.1) and checks[2]["ratio"] is None
+
+
+def test_bad_links_and_rank_lists_are_one_line_errors(capsys):
+    for argv in (["--links", "100@x"], ["--ranks", "2,4"], ["--ranks", "two"], ["--links", "100@0", "--ranks", "2,9"]):
+        with pytest.raises(SystemExit) as exit_info:
+            link.main(argv)
+        assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--links wants RATE@RTT" in err and "a list only with --links" in err and "--ranks wants integers" in err
+
+
 def test_write_between_replaces_only_the_marked_part(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text(f"before\n{link.BEGIN}\nold table\n{link.END}\nafter\n")

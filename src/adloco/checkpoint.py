@@ -56,6 +56,15 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.close(directory)
 
 
+def apply_umask(root: Path) -> None:
+    """Give ``root`` and everything under it the modes the user's umask gives new files and folders."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 MANIFEST = "manifest.json"
 
 

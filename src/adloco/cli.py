@@ -34,7 +34,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="[CONFIG.yaml] key=value",
         help="an optional YAML config file followed by overrides such as method=adloco inner.lr=2e-3",
     )
-    train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run from its last checkpoint; overrides may change the budget, cadences and run options",
+    )
     evaluate = commands.add_parser("eval", help="validation loss and perplexity of a run's exported model")
     evaluate.add_argument("run_dir", metavar="RUN_DIR")
     sample = commands.add_parser("sample", help="generate text with a run's exported model")
@@ -93,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from adloco.config import load_config
     from adloco.errors import CheckpointError, ConfigError, DataError
+    from adloco.stopping import Stopped
 
     try:
         if args.command == "train":
@@ -134,9 +139,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    except KeyboardInterrupt:
-        print("adloco: interrupted; resume with --resume RUN_DIR from the last checkpoint", file=sys.stderr)
+    except KeyboardInterrupt as error:
+        # Interrupted names the run and its newest checkpoint; a bare one came before the run directory existed.
+        print(f"adloco: {error or 'interrupted before the run started'}", file=sys.stderr)
         return 130
+    except Stopped as error:
+        print(f"adloco: {error}", file=sys.stderr)
+        return error.exit_code
     return 0
 
 
@@ -175,12 +184,13 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _use_run(args: argparse.Namespace) -> int:
-    from adloco.checkpoint import CheckpointError
-    from adloco.inference import evaluate_final, sample
+    from adloco.errors import CheckpointError
 
     run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
+    if not run_dir.is_dir():  # before torch is imported: a typo is answered at once
         raise CheckpointError(f"run directory '{run_dir}' does not exist")
+    from adloco.inference import evaluate_final, sample_stream
+
     if args.command == "plot":
         from adloco.plots import plot_run
 
@@ -195,7 +205,9 @@ def _use_run(args: argparse.Namespace) -> int:
         else:
             print(f"validation loss {loss:.4f}, accuracy {result.accuracy:.4f} over {count:,} samples")
     else:
-        print(sample(run_dir, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+        for piece in sample_stream(run_dir, args.prompt, args.tokens, args.temperature, args.top_k, args.seed):
+            print(piece, end="", flush=True)
+        print()
     return 0
 
 
@@ -226,12 +238,14 @@ def _train(args: argparse.Namespace, load_config) -> int:
 
     config_file, overrides = _split_items(args.items)
     if args.resume is not None:  # --resume "" is an error below, not a fresh default run
-        if config_file or overrides:
-            raise ConfigError("--resume continues a run with its own config; give no config file or overrides")
+        if config_file:
+            raise ConfigError(
+                f"--resume continues a run with its own config; give overrides (key=value), not '{config_file}'"
+            )
         from adloco.config import resume_config
 
         run_dir = Path(args.resume)
-        config = resume_config(run_dir)
+        config = resume_config(run_dir, overrides)
     else:
         run_dir = None
         config = load_config(config_file, overrides)  # before the heavy imports: a typo fails in a second or two

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from pathlib import Path
@@ -11,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from adloco.algorithms.schedules import validate_schedule
-from adloco.errors import ConfigError
+from adloco.errors import CheckpointError, ConfigError
 
 HF_PREFIX = "hf:"  # names a Hugging Face dataset or tokenizer (hub name or local folder)
 
@@ -168,6 +169,12 @@ class EvalConfig(_Section):
 
 class CheckpointConfig(_Section):
     every: int = Field(20, ge=1, description="Write a checkpoint every this many rounds (and at the end).")
+    every_minutes: float | None = Field(
+        None,
+        gt=0,
+        description="Also write one at the first round end after this many minutes since the last (one process "
+        "only: under torchrun the ranks would have to agree on the time).",
+    )
     keep: int = Field(2, ge=1, description="How many checkpoints to keep.")
 
 
@@ -225,7 +232,10 @@ class RunConfig(_Section):
             raise ValueError(f"must be a plain folder name (no '/'), got {name!r}")
         return name
 
-    progress: bool = Field(True, description="Show a progress bar on the console.")
+    progress: bool = Field(True, description="Show progress: a bar on a terminal, plain lines when piped.")
+    progress_every_s: float = Field(
+        10.0, gt=0, description="Seconds between plain progress lines (in train.log; on stderr when it is piped)."
+    )
     save_final: bool = Field(True, description="Export the final model in Hugging Face format.")
     plots: bool = Field(True, description="Write PNG plots into the run directory at the end (adloco plot).")
     max_failed_rounds: int = Field(
@@ -352,6 +362,7 @@ class TrainConfig(BaseModel):
             raise ValueError(f"batch.b_min ({self.batch.b_min}) is larger than batch.b_cap ({self.batch.b_cap})")
         if self.inner.min_lr > self.inner.lr:
             raise ValueError(f"inner.min_lr ({self.inner.min_lr}) is larger than inner.lr ({self.inner.lr})")
+        _check_float32(self)
         return self
 
     def _resolve_model(self) -> None:
@@ -376,6 +387,19 @@ class TrainConfig(BaseModel):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _check_float32(section: BaseModel, prefix: str = "") -> None:
+    """Every real setting reaches float32 tensors: one beyond its range would overflow mid-run, so refuse it now."""
+    for name, value in section:
+        key = f"{prefix}{name}"
+        if isinstance(value, BaseModel):
+            _check_float32(value, f"{key}.")
+        elif isinstance(value, float) and abs(value) > FLOAT32_MAX:
+            raise ValueError(f"{key}: {value:g} is beyond what float32 holds (at most {FLOAT32_MAX:.4g})")
+
+
 class _Loader(yaml.SafeLoader):
     """YAML with YAML 1.2 booleans: only true/false, so `merge.policy: off` stays the string 'off'."""
 
@@ -387,6 +411,12 @@ _Loader.yaml_implicit_resolvers = {
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
+# YAML 1.2 numbers too: 2e4 and 1e-3 are floats (YAML 1.1 wants a dot and a signed exponent), so integer counts
+# can be written 2e4. Checked after every other resolver, so 123 stays an int.
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$"),
+    list("-+.0123456789"),
+)  # fmt: skip
 
 
 def _load_yaml(text: str) -> Any:
@@ -409,7 +439,7 @@ def _parse_value(text: str) -> Any:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``key.sub=value`` overrides to a nested dict (a new dict is returned)."""
-    result: dict[str, Any] = _load_yaml(yaml.safe_dump(data)) or {}
+    result: dict[str, Any] = copy.deepcopy(data) if data else {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
@@ -456,14 +486,56 @@ def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None
 RUN_CONFIG_FILE = "config.yaml"  # the resolved config, written into every run directory
 
 
-def resume_config(run_dir: Path) -> TrainConfig:
-    """The resolved config a run directory was started with (light: no model stack is imported)."""
+# What may change when a run resumes: the budget, cadences, and how the run is watched and kept. Anything else
+# (workers, model, data, method, optimizers...) would not fit the checkpoint's state or would change its numbers.
+RESUME_SAFE_KEYS = ("total_tokens", "threads", "comm.timeout_s", "checkpoint.*", "eval.*", "run.*")
+
+
+def resume_safe(key: str) -> bool:
+    """Whether the dotted ``key`` may change on resume."""
+    return any(key == safe or (safe.endswith(".*") and key.startswith(safe[:-1])) for safe in RESUME_SAFE_KEYS)
+
+
+def _unsafe_message(key: str) -> str:
+    return f"'{key}' cannot change when a run resumes; only {', '.join(RESUME_SAFE_KEYS)} can"
+
+
+def resume_config(run_dir: Path, overrides: list[str] | None = None) -> TrainConfig:
+    """The resolved config a run directory was started with, plus resume-safe ``overrides`` (no model stack)."""
     path = run_dir / RUN_CONFIG_FILE
     if not run_dir.is_dir():
         raise ConfigError(f"run directory '{run_dir}' does not exist")
     if not path.exists():
         raise ConfigError(f"'{run_dir}' is not a run directory (no {RUN_CONFIG_FILE})")
-    return load_config(path)
+    for item in overrides or []:
+        key = item.partition("=")[0].strip()
+        if "=" in item and not resume_safe(key):
+            raise ConfigError(_unsafe_message(key))
+    return load_config(path, overrides)
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix[:-1]: data}
+    return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+
+
+def resume_changes(saved: dict[str, Any] | None, config: TrainConfig) -> list[str]:
+    """``key: old -> new`` for each setting that differs from the checkpoint's; CheckpointError for an unsafe one."""
+    if saved is None:  # a checkpoint from before configs were stored in it
+        return []
+    before, after = _flat(saved), _flat(config.model_dump())
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        if before.get(key) != after.get(key):
+            if not resume_safe(key):
+                noun = key.split(".")[0] if "." in key else "setting"
+                raise CheckpointError(
+                    f"the checkpoint was written with another {noun}: {key} {before.get(key)!r}, now "
+                    f"{after.get(key)!r}; only {', '.join(RESUME_SAFE_KEYS)} can change when a run resumes"
+                )
+            changes.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
+    return changes
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:

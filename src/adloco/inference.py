@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -73,32 +74,56 @@ def evaluate_run(run_dir: Path) -> tuple[float, int]:
     return result.loss, result.count
 
 
-@torch.no_grad()
+MAX_SAMPLE_TOKENS = 1_000_000
+
+
 def sample(run_dir: Path, prompt: str, tokens: int, temperature: float, top_k: int | None, seed: int) -> str:
     """Continue ``prompt`` by ``tokens`` tokens, reading at most the model's context at a time."""
-    if not 0 <= temperature < math.inf:  # also refuses NaN
-        raise ConfigError(f"--temperature must be a number >= 0, got {temperature}")
-    if tokens < 0:
-        raise ConfigError(f"--tokens must be >= 0, got {tokens}")
-    if top_k is not None and top_k < 1:
-        raise ConfigError(f"--top-k must be >= 1, got {top_k}")
-    if not -(2**63) <= seed < 2**64:  # what torch's generator accepts
-        raise ConfigError(f"--seed must fit in 64 bits, got {seed}")
+    return "".join(sample_stream(run_dir, prompt, tokens, temperature, top_k, seed))
+
+
+@torch.no_grad()
+def sample_stream(
+    run_dir: Path, prompt: str, tokens: int, temperature: float, top_k: int | None, seed: int
+) -> Iterator[str]:
+    """``sample`` piece by piece: the prompt, then the text of each new token as soon as it decodes whole."""
+    _check_sampling(tokens, temperature, top_k, seed)
     if run_task(run_dir) == "classification":
         raise ConfigError(f"'{run_dir}' is a classification run: its model labels texts and generates nothing")
     model, tokenizer = load_final(run_dir)
     context = max_positions(model.config) or 2**31  # architectures without a limit read the whole text
     ids = tokenizer.encode(prompt or "\n")  # an empty prompt starts at a line break
     generator = torch.Generator().manual_seed(seed)
+    shown = tokenizer.decode(ids)
+    yield shown
     for _ in range(tokens):
         logits = model(input_ids=ids[-context:][None], use_cache=False).logits[0, -1].float()
-        if temperature == 0:
-            next_id = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if top_k is not None and top_k < logits.numel():
-                cutoff = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < cutoff, -math.inf)
-            next_id = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-        ids = torch.cat([ids, torch.tensor([next_id])])
-    return tokenizer.decode(ids)
+        ids = torch.cat([ids, torch.tensor([_next_token(logits, temperature, top_k, generator)])])
+        text = tokenizer.decode(ids)
+        # A character split over several tokens decodes as U+FFFD until its last byte arrives.
+        if text.startswith(shown) and not text.endswith("\ufffd"):
+            yield text[len(shown) :]
+            shown = text
+    text = tokenizer.decode(ids)
+    yield text[len(shown) :] if text.startswith(shown) else ""
+
+
+def _check_sampling(tokens: int, temperature: float, top_k: int | None, seed: int) -> None:
+    if not 0 <= temperature < math.inf:  # also refuses NaN
+        raise ConfigError(f"--temperature must be a number >= 0, got {temperature}")
+    if not 0 <= tokens <= MAX_SAMPLE_TOKENS:
+        raise ConfigError(f"--tokens must be between 0 and {MAX_SAMPLE_TOKENS:,}, got {tokens}")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"--top-k must be >= 1, got {top_k}")
+    if not -(2**63) <= seed < 2**64:  # what torch's generator accepts
+        raise ConfigError(f"--seed must fit in 64 bits, got {seed}")
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.numel():
+        cutoff = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < cutoff, -math.inf)
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))

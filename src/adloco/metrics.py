@@ -7,20 +7,15 @@ import json
 import math
 import resource
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from adloco.checkpoint import write_failure
 from adloco.tracking import FanOut, Tracker
@@ -147,15 +142,97 @@ def memory_snapshot(device: torch.device | None = None) -> dict[str, float | Non
 
 
 def make_progress(console: Console, enabled: bool) -> Progress:
+    """The terminal's bar: short columns, so that it stays readable at 80 columns."""
     return Progress(
         TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("tokens"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
+        BarColumn(bar_width=12),
+        TextColumn("{task.fields[tokens]}"),
+        TimeRemainingColumn(compact=True),
         TextColumn("{task.fields[status]}"),
         console=console,
         disable=not enabled,
         transient=False,
     )
+
+
+def short_count(value: float) -> str:
+    """1234 -> 1.2k, 1536000 -> 1.5M: counts that fit a narrow bar."""
+    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= limit:
+            return f"{value / limit:.3g}{suffix}"
+    return f"{value:.0f}"
+
+
+def duration(seconds: float) -> str:
+    """5h03m, 12m05s, 42s."""
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+@dataclass
+class ProgressLine:
+    """Plain progress records every ``every_s`` seconds, for logs and terminals that are not one (nohup, SLURM).
+
+    ``emit`` receives each line; training sends it to train.log, and to stderr when stderr is not a terminal.
+    """
+
+    total: int
+    every_s: float
+    emit: Callable[[str], None]
+    started_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    last: float = field(default_factory=time.monotonic)
+
+    def update(self, round_index: int, tokens: int, status: str, force: bool = False) -> None:
+        """Emit a line if ``every_s`` has passed since the last one (or ``force``)."""
+        now = time.monotonic()
+        if not force and now - self.last < self.every_s:
+            return
+        self.last = now
+        rate = (tokens - self.started_tokens) / max(now - self.started, 1e-9)
+        left = f"ETA {duration((self.total - tokens) / rate)}" if rate > 0 and tokens < self.total else "ETA -"
+        share = 100 * min(tokens, self.total) / self.total
+        self.emit(
+            f"round {round_index + 1} · tokens {min(tokens, self.total):,}/{self.total:,} ({share:.1f}%) · "
+            f"{rate:,.0f} tok/s · {status} · {left}"
+        )
+
+
+class RunDisplay:
+    """A run's progress: rich's bar on a terminal, plain lines when stderr is not one, and lines in ``log`` always.
+
+    ``enabled`` (run.progress on rank 0) governs the console only; the log gets a line every ``every_s`` seconds.
+    """
+
+    def __init__(
+        self, console: Console, description: str, total: int, done: int, enabled: bool, every_s: float, log: Callable
+    ) -> None:
+        terminal = console.is_terminal
+        self.total = total
+        self.bar = make_progress(console, enabled and terminal)
+
+        def emit(line: str) -> None:
+            log(line)
+            if enabled and not terminal:
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+        self.lines = ProgressLine(total, every_s, emit, started_tokens=done)
+        counted = f"{short_count(done)}/{short_count(total)}"
+        self.task = self.bar.add_task(description, total=total, completed=min(done, total), tokens=counted, status="")
+
+    def __enter__(self) -> RunDisplay:
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(*exc)
+
+    def show(self, round_index: int, tokens: int, status: str, force: bool = False) -> None:
+        """Tokens trained so far (the true count, which may pass the budget by part of a step) and a status."""
+        counted = f"{short_count(tokens)}/{short_count(self.total)}"
+        self.bar.update(
+            self.task, completed=min(tokens, self.total), tokens=counted, status=f"r{round_index + 1} {status}"
+        )
+        self.lines.update(round_index, tokens, status, force=force)

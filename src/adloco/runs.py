@@ -11,6 +11,7 @@ A run's status is read from its files alone:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -23,7 +24,8 @@ from typing import Any
 
 import yaml
 
-from adloco.errors import CheckpointError
+from adloco.errors import CheckpointError, ConfigError
+from adloco.stopping import Stopped
 
 RUNNING_FILE = "RUNNING"
 FAILED_FILE = "FAILED"
@@ -54,11 +56,76 @@ def mark_running(run_dir: Path) -> None:
         (run_dir / RUNNING_FILE).write_text(json.dumps(marker) + "\n")
 
 
+LOCK_FILE = ".lock"
+
+
+@dataclass
+class RunLock:
+    """The one process training a run directory holds this: an exclusive ``flock`` on ``.lock`` plus ``RUNNING``.
+
+    The kernel drops the flock when the process dies however it dies, so a lock is never stale; ``RUNNING`` is
+    only what ``adloco runs`` and the error messages read. ``took_over`` describes a dead process's marker found
+    on the way in.
+    """
+
+    run_dir: Path
+    handle: Any
+    took_over: str | None = None
+
+    def release(self, error: BaseException | None) -> None:
+        """Remove ``RUNNING`` (recording ``error`` in ``FAILED``), then let go of the lock."""
+        mark_ended(self.run_dir, error)
+        with contextlib.suppress(OSError):
+            self.handle.close()
+
+
+def lock_run(run_dir: Path) -> RunLock:
+    """Take ``run_dir`` for this process or raise ConfigError naming the live process that has it."""
+    try:
+        handle = (run_dir / LOCK_FILE).open("a+")
+    except OSError as error:
+        raise ConfigError(f"run directory '{run_dir}' is not writable: {error.strerror}") from None
+    marker = _read_marker(run_dir)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise ConfigError(f"run directory '{run_dir}' is being trained by {_describe_marker(marker)}") from None
+    if marker is not None and marker.get("pid") != os.getpid() and _alive(marker):
+        # A live process holding no flock: an older adloco, or one on another host of a shared file system.
+        handle.close()
+        raise ConfigError(f"run directory '{run_dir}' is being trained by {_describe_marker(marker)}")
+    took_over = None
+    if marker is not None:
+        took_over = f"took over '{run_dir}' from {_describe_marker(marker)}, which is no longer running"
+    mark_running(run_dir)
+    return RunLock(run_dir, handle, took_over)
+
+
+def _read_marker(run_dir: Path) -> dict[str, Any] | None:
+    """``RUNNING``'s content; {} when it exists but cannot be read, None when there is none."""
+    if not (run_dir / RUNNING_FILE).exists():
+        return None
+    try:
+        marker = json.loads((run_dir / RUNNING_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def _describe_marker(marker: dict[str, Any] | None) -> str:
+    if not marker or not isinstance(marker.get("pid"), int):
+        return "another process"
+    host = f" on {marker['host']}" if marker.get("host") not in (None, socket.gethostname()) else ""
+    started = f", started {marker['started']}" if marker.get("started") else ""
+    return f"process {marker['pid']}{host}{started}"
+
+
 def mark_ended(run_dir: Path, error: BaseException | None) -> None:
-    """Remove ``RUNNING``; record an error (not a Ctrl-C, which only stops the run) in ``FAILED``."""
+    """Remove ``RUNNING``; record an error (not a Ctrl-C or a stop signal, which only stop the run) in ``FAILED``."""
     with contextlib.suppress(OSError):
         (run_dir / RUNNING_FILE).unlink(missing_ok=True)
-        if error is not None and not isinstance(error, KeyboardInterrupt | SystemExit):
+        if error is not None and not isinstance(error, KeyboardInterrupt | SystemExit | Stopped):
             first_line = (str(error).strip().splitlines() or [""])[0][:300]
             (run_dir / FAILED_FILE).write_text(f"{type(error).__name__}: {first_line}\n")
 
@@ -171,13 +238,7 @@ def summarize_run(run_dir: Path) -> RunSummary:
         val_loss = _best_loss(evaluated[-1]["val_loss"]) if evaluated else None
 
     save_final = (config.get("run") or {}).get("save_final", True) if isinstance(config.get("run"), dict) else True
-    marker: dict[str, Any] | None = None
-    if (run_dir / RUNNING_FILE).exists():
-        try:
-            marker = json.loads((run_dir / RUNNING_FILE).read_text())
-            marker = marker if isinstance(marker, dict) else {}
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-            marker = {}  # unreadable: treated as a stale marker
+    marker = _read_marker(run_dir)  # an unreadable one ({}) is treated as stale
     error = None
     checkpoints = _checkpoint_rounds(run_dir)
     if final is not None and ((run_dir / "final").is_dir() or not save_final):

@@ -19,6 +19,7 @@ from transformers.utils import logging as hf_logging
 from adloco.algorithms.schedules import inner_lr
 from adloco.checkpoint import (
     CheckpointError,
+    apply_umask,
     atomic_write_bytes,
     latest_checkpoint,
     list_checkpoints,
@@ -34,18 +35,20 @@ from adloco.comm.distributed import (
     max_restarts,
     restart_attempt,
 )
-from adloco.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, resume_config
+from adloco.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, resume_changes, resume_config
 from adloco.data import (
     SAVED_DIR,
     build_tokenizer,
     dataset_label,
     load_corpus,
+    save_byte_tokenizer,
     save_tokenizer,
     source_from_config,
     training_texts,
 )
-from adloco.metrics import MetricsWriter, make_progress, memory_snapshot
-from adloco.runs import mark_ended, mark_running
+from adloco.metrics import MetricsWriter, RunDisplay, memory_snapshot
+from adloco.runs import RunLock, lock_run
+from adloco.stopping import Interrupted, Stopped, StopSignals, where_to_resume
 from adloco.tasks import Task, build_task, classification_texts, mean_next_token_loss
 from adloco.tracking import check_trackers, open_trackers
 
@@ -143,6 +146,9 @@ def _export_final(model: torch.nn.Module, theta: list[torch.Tensor], run_dir: Pa
         (staging / "adloco_tokenizer.json").write_text(json.dumps(tokenizer_info, indent=2) + "\n")
         if (run_dir / SAVED_DIR).is_dir():  # bpe/HF tokenizers: final/ loads with AutoTokenizer too
             shutil.copytree(run_dir / SAVED_DIR, staging, dirs_exist_ok=True)
+        elif tokenizer_info.get("type", "byte") == "byte":
+            save_byte_tokenizer(staging)
+        apply_umask(staging)  # some writers (safetensors) make owner-only files; the user's umask decides
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
     except OSError as error:
@@ -213,24 +219,39 @@ def _clear_for_start_over(run_dir: Path) -> None:
     (run_dir / "checkpoints").mkdir(exist_ok=True)
 
 
-def _prepare_run_dir(config: TrainConfig, resume: Path | None, again: Path | None = None) -> Path:
+def _prepare_run_dir(config: TrainConfig, resume: Path | None, again: Path | None = None) -> RunLock:
+    """The run directory, locked for this process: a new one, or ``resume``/``again`` checked first."""
     if resume is not None:
         if not (resume / "checkpoints").is_dir() or not list_checkpoints(resume / "checkpoints"):
             raise CheckpointError(f"run directory '{resume}' has no checkpoint to resume from")
-        _check_writable(resume / "checkpoints")
-        _record_job(config, resume)
-        return resume
+        lock = lock_run(resume)  # before anything in it changes
+        try:
+            _check_writable(resume / "checkpoints")
+            _record_job(config, resume)
+        except BaseException:
+            lock.release(None)
+            raise
+        return lock
     if again is not None:
+        lock = lock_run(again)
         _clear_for_start_over(again)
-        run_dir = again
     else:
-        run_dir = make_run_dir(config)
+        lock = lock_run(make_run_dir(config))
     try:
-        (run_dir / RUN_CONFIG_FILE).write_text(config.to_yaml())
+        write_run_config(lock.run_dir, config)
+        _record_job(config, lock.run_dir)
+    except BaseException:
+        lock.release(None)
+        raise
+    return lock
+
+
+def write_run_config(run_dir: Path, config: TrainConfig) -> None:
+    """``config.yaml``, written whole or not at all."""
+    try:
+        atomic_write_bytes(run_dir / RUN_CONFIG_FILE, config.to_yaml().encode())
     except OSError as error:
         raise ConfigError(f"run directory '{run_dir}' is not writable: {error.strerror}") from None
-    _record_job(config, run_dir)
-    return run_dir
 
 
 def train(
@@ -273,6 +294,8 @@ def _agree_on_restart(config: TrainConfig, comm: Communicator) -> tuple[str, str
 
 
 def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
+    if config.checkpoint.every_minutes is not None and comm.world_size > 1:
+        raise ConfigError("checkpoint.every_minutes needs one process; under torchrun use checkpoint.every (rounds)")
     device = resolve_device(config)
     # A torchrun attempt after a failure continues the run its first attempt made, with no --resume needed.
     restart = _agree_on_restart(config, comm) if restart_attempt() > 0 else None
@@ -281,48 +304,87 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
         resume = Path(restart[1])
     elif restart is not None and restart[0] == "again":
         again = Path(restart[1])
-    # A resumed run reloads the tokenizer it saved: a BPE is never trained twice for one run.
+    tokenizer, run_task = _tokenizer_and_task(config, resume)
+    lock, run_dir = _claim_run_dir(config, resume, again, comm)
+    if comm.rank == 0 and resume is None:
+        save_tokenizer(tokenizer, run_dir / SAVED_DIR)
+    handler = _attach_log_file(run_dir) if comm.rank == 0 else None  # before the checkpoint's warnings
+    if lock is not None:
+        log.info("run directory %s", run_dir)
+        if config.run.progress:  # where the run lives, before it starts rather than after it ends
+            console.print(f"adloco: run directory {run_dir}", markup=False, highlight=False, soft_wrap=True)
+        if lock.took_over:
+            _say(console, lock.took_over)
+    error: BaseException | None = None
+    started = False
+    try:
+        checkpoint = _resume_from(config, run_dir, lock, console) if resume is not None else None
+        if restart is not None and comm.rank == 0:
+            _announce_restart(restart[0], run_dir, checkpoint, console)
+        started = True
+        return _train_in(config, run_dir, run_task, tokenizer.describe(), checkpoint, console, comm, device)
+    except KeyboardInterrupt as raised:
+        error = raised
+        if isinstance(raised, Interrupted):
+            raise
+        raise Interrupted(run_dir, _newest_checkpoint(run_dir)) from None
+    except BaseException as raised:
+        error = raised if started else None  # a refused resume leaves the run as it was
+        raise
+    finally:
+        if lock is not None:
+            lock.release(error)
+        if handler is not None:
+            logging.getLogger("adloco").removeHandler(handler)
+            handler.close()
+
+
+def _tokenizer_and_task(config: TrainConfig, resume: Path | None) -> tuple:
+    """The run's tokenizer and task; a resumed run reloads the tokenizer it saved (a BPE is never trained twice)."""
     saved = resume / SAVED_DIR if resume is not None and config.data.tokenizer != "byte" else None
     if config.task == "classification":
         tokenizer = build_tokenizer(config.data, classification_texts(config), saved)
-        run_task = build_task(config, tokenizer)
-    else:
-        source = source_from_config(config.data)
-        tokenizer = build_tokenizer(config.data, training_texts(config.data, source), saved)
-        run_task = build_task(config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context, source))
+        return tokenizer, build_task(config, tokenizer)
+    source = source_from_config(config.data)
+    tokenizer = build_tokenizer(config.data, training_texts(config.data, source), saved)
+    return tokenizer, build_task(
+        config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context, source)
+    )
 
-    # Rank 0 decides the run directory; an error there is every rank's error.
+
+def _claim_run_dir(
+    config: TrainConfig, resume: Path | None, again: Path | None, comm: Communicator
+) -> tuple[RunLock | None, Path]:
+    """Rank 0 makes or locks the run directory and tells every rank; an error there is every rank's error."""
     outcome: tuple[str, str] = ("ok", "")
+    lock: RunLock | None = None
     if comm.rank == 0:
         try:
             check_trackers(config.run.trackers)  # a missing tracker package stops the run before it starts
-            outcome = ("ok", str(_prepare_run_dir(config, resume, again)))
+            lock = _prepare_run_dir(config, resume, again)
+            outcome = ("ok", str(lock.run_dir))
         except (ConfigError, CheckpointError) as error:
             outcome = (type(error).__name__, str(error))
     outcome = comm.broadcast_object(outcome, src=0)
     if outcome[0] != "ok":
         raise (CheckpointError if outcome[0] == "CheckpointError" else ConfigError)(outcome[1])
-    run_dir = Path(outcome[1])
-    if comm.rank == 0 and resume is None:
-        save_tokenizer(tokenizer, run_dir / SAVED_DIR)
-    checkpoint = latest_checkpoint(run_dir / "checkpoints", training=True) if resume is not None else None
-    handler = _attach_log_file(run_dir) if comm.rank == 0 else None
-    if restart is not None and comm.rank == 0:
-        _announce_restart(restart[0], run_dir, checkpoint, console)
-    if comm.rank == 0:
-        mark_running(run_dir)
-    error: BaseException | None = None
-    try:
-        return _train_in(config, run_dir, run_task, tokenizer.describe(), checkpoint, console, comm, device)
-    except BaseException as raised:
-        error = raised
-        raise
-    finally:
-        if comm.rank == 0:
-            mark_ended(run_dir, error)
-        if handler is not None:
-            logging.getLogger("adloco").removeHandler(handler)
-            handler.close()
+    return lock, Path(outcome[1])
+
+
+def _resume_from(config: TrainConfig, run_dir: Path, lock: RunLock | None, console: Console) -> dict:
+    """The newest intact checkpoint, after checking that only resume-safe settings changed since it was written."""
+    checkpoint = latest_checkpoint(run_dir / "checkpoints", training=True)
+    changes = resume_changes(checkpoint.get("config"), config)
+    if lock is not None and changes:
+        write_run_config(run_dir, config)  # the next resume starts from these settings
+        _say(console, "resuming with changed settings: " + "; ".join(changes))
+    return checkpoint
+
+
+def _newest_checkpoint(run_dir: Path) -> int | None:
+    """The round of the newest checkpoint file in ``run_dir``, None if there is none."""
+    found = list_checkpoints(run_dir / "checkpoints")
+    return int(found[-1].stem.split("_")[1]) if found else None
 
 
 def _announce_restart(plan: str, run_dir: Path, checkpoint: dict | None, console: Console) -> None:
@@ -333,6 +395,11 @@ def _announce_restart(plan: str, run_dir: Path, checkpoint: dict | None, console
         message = f"{where}: the previous attempt left no checkpoint; starting {run_dir} over"
     else:
         message = f"{where}: the previous attempt left no run directory; starting {run_dir}"
+    _say(console, message)
+
+
+def _say(console: Console, message: str) -> None:
+    """A line for the user on the terminal and in train.log."""
     log.info(message)
     console.print(f"adloco: {message}", markup=False, highlight=False, soft_wrap=True)
 
@@ -351,9 +418,12 @@ class _Run:
     metrics: MetricsWriter | None
     eval_model: torch.nn.Module | None
     started: float
+    last_checkpoint: int | None = None  # the round of the newest checkpoint on disk
+    checkpointed_at: float = field(default_factory=time.monotonic)
     last_val: dict[int, float] = field(default_factory=dict)
     last_accuracy: dict[int, float] = field(default_factory=dict)
     failed_streak: int = 0
+    pending: _PendingRound | None = None  # the last round's record, until every rank's figures are in
 
     @property
     def is_root(self) -> bool:
@@ -380,21 +450,52 @@ class _RoundPlan:
 
 def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, console, comm, device) -> TrainResult:
     run = _restore(config, run_dir, run_task, checkpoint, comm, device)
-    progress = make_progress(console, config.run.progress and run.is_root)
-    with progress:
-        bar = progress.add_task(config.method, total=config.total_tokens, completed=run.counters["tokens"], status="")
+    display = RunDisplay(
+        console,
+        config.method,
+        total=config.total_tokens,
+        done=run.counters["tokens"],
+        enabled=config.run.progress and run.is_root,
+        every_s=config.run.progress_every_s,
+        log=log.info if run.is_root else lambda line: None,
+    )
+    _check_budget(run, console)
+    with display, StopSignals(enabled=run.comm.world_size == 1) as stop:
         while run.counters["tokens"] < config.total_tokens:
             plan = _plan_round(run)
             report = run.cluster.run_round(
                 plan.index,
                 plan.steps,
                 lambda step, plan=plan: plan.lr_at(config, step),
-                lambda step, plan=plan: _show_step(run, plan, step, progress, bar),
+                lambda step, plan=plan: _show_step(run, plan, step, display),
                 first_step=plan.first_step,
             )
             _finish_round(run, plan, report)
-            progress.update(bar, completed=min(run.counters["tokens"], config.total_tokens))
+            if stop.requested is not None and run.counters["tokens"] < config.total_tokens:
+                _stop(run, plan, report, stop.requested)
+        display.show(run.counters["round"] - 1, run.counters["tokens"], "done", force=True)
     return _finish(run, tokenizer_info)
+
+
+def _stop(run: _Run, plan: _RoundPlan, report: RoundReport, signum: int) -> None:
+    """A stop signal arrived: checkpoint this round unless that is done or impossible (a skipped round), then end."""
+    _settle(run)
+    if run.last_checkpoint != plan.index and not report.skipped:
+        _checkpoint(run, plan.index)
+    stopped = Stopped(signum, run.run_dir, run.last_checkpoint)
+    log.info("%s", stopped)
+    raise stopped
+
+
+def _check_budget(run: _Run, console: Console) -> None:
+    """A budget below one inner step still trains that step: say so rather than show a misleading 10/10."""
+    per_step = run.cluster.tokens_per_step()
+    if run.is_root and run.counters["tokens"] == 0 and run.config.total_tokens < per_step:
+        _say(
+            console,
+            f"total_tokens={run.config.total_tokens} is less than one inner step ({per_step:,} tokens over all "
+            f"workers); training that one step",
+        )
 
 
 def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> _Run:
@@ -441,6 +542,7 @@ def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> _Run:
         metrics=_open_metrics(config, run_dir, counters, checkpoint is not None) if is_root else None,
         eval_model=run_task.build_model(config.seed).to(device) if is_root else None,
         started=time.perf_counter() - counters["seconds"],
+        last_checkpoint=checkpoint["round"] if checkpoint is not None else None,
     )
 
 
@@ -488,19 +590,15 @@ def _plan_round(run: _Run) -> _RoundPlan:
     )
 
 
-def _show_step(run: _Run, plan: _RoundPlan, progress: StepProgress, bar_progress, bar) -> None:
+def _show_step(run: _Run, plan: _RoundPlan, progress: StepProgress, display: RunDisplay) -> None:
     """Progress after an inner step, from what this rank knows before the round's exchange."""
     if not run.is_root:
         return
     batch_label = ",".join(str(t.batch_size) for t in run.cluster.trainers.values())
     val = f" val {min(run.last_val.values()):.3f}" if run.last_val else ""
-    done = plan.tokens_before + (progress.step + 1) * plan.per_step
-    bar_progress.update(
-        bar,
-        completed=min(done, run.config.total_tokens),
-        status=f"round {plan.index + 1} · {len(run.cluster.trainers)} trainer(s) b={batch_label} · "
-        f"loss {progress.loss:.3f}{val}",
-    )
+    trainers = len(run.cluster.trainers)
+    status = f"loss {progress.loss:.3f}{val} b={batch_label}" + (f" K={trainers}" if trainers > 1 else "")
+    display.show(plan.index, plan.tokens_before + (progress.step + 1) * plan.per_step, status)
 
 
 def _finish_round(run: _Run, plan: _RoundPlan, report: RoundReport) -> None:
@@ -508,35 +606,107 @@ def _finish_round(run: _Run, plan: _RoundPlan, report: RoundReport) -> None:
     cluster, counters = run.cluster, run.counters
     run.failed_streak = run.failed_streak + 1 if report.skipped else 0
     merge = cluster.maybe_merge(plan.index)
-    per_rank = _round_comm(run)
-    step_records = _advance(run, plan, report, per_rank)
+    traffic = _round_comm(run)
+    _settle(run)  # the previous round's record: its figures arrived while this round trained
+    step_records = _advance(run, plan, report)
     finished = counters["tokens"] >= run.config.total_tokens
     if finished:
         cluster.flush()  # exchanges still in flight count towards the final θ
     evaluated, eval_seconds = _evaluate(run, plan.index, finished)
     counters["seconds"] = time.perf_counter() - run.started
-    if run.metrics is not None:
-        for record in step_records:
-            run.metrics.write("step", **record)
-        _record_round(run, plan, report, merge, per_rank, evaluated, eval_seconds)
+    record = _round_record(run, plan, report, merge, evaluated, eval_seconds) if run.metrics is not None else {}
+    run.pending = _PendingRound(traffic, step_records, record, merge)
+    checkpoint_due = not report.skipped and (_checkpoint_due(run, plan.index) or finished)
+    if finished or checkpoint_due or run.failed_streak >= run.config.run.max_failed_rounds:
+        _settle(run)  # a checkpoint holds this round's byte count; the last round is recorded before the end
     if run.failed_streak >= run.config.run.max_failed_rounds:
         raise NonFiniteError(
             f"non-finite losses or gradients on every worker of a trainer for {run.failed_streak} rounds in a "
-            f"row (round {plan.index}); the last good checkpoint is in {run.run_dir / 'checkpoints'}"
+            f"row (round {plan.index + 1}); {where_to_resume(run.run_dir, run.last_checkpoint)}"
         )
-    if not report.skipped and ((plan.index + 1) % run.config.checkpoint.every == 0 or finished):
+    if checkpoint_due:
         _checkpoint(run, plan.index)
 
 
-def _round_comm(run: _Run) -> list[tuple]:
-    """Every rank's traffic, exchanges and waiting in the round, and its memory (on rank 0; a bookkeeping
-    collective after the round's own exchanges, so not counted among them)."""
+@dataclass
+class _PendingRound:
+    """A round's record, waiting for every rank's traffic figures: gathered without blocking any rank, so a
+    round costs its own exchanges and nothing more, and written at the next round's end (or before a
+    checkpoint, whose byte count includes the round)."""
+
+    traffic: torch.futures.Future
+    step_records: list[dict]
+    record: dict
+    merge: MergeEvent | None
+
+
+_TRAFFIC = ("bytes_sent", "wire_bytes", "seconds", "exchanges", "wait_seconds")
+_MEMORY = ("rss_mib", "peak_rss_mib", "cuda_allocated_mib", "cuda_peak_allocated_mib", "cuda_reserved_mib")
+
+
+def _round_comm(run: _Run) -> torch.futures.Future:
+    """Start gathering every rank's traffic, exchanges, waiting and memory in the round."""
     taken = run.comm.stats.take()
-    mine = (taken.bytes_sent, taken.wire_bytes, taken.seconds, memory_snapshot(run.device), taken.exchanges)
-    return run.comm.gather_objects((*mine, taken.wait_seconds)) or []
+    memory = memory_snapshot(run.device)
+    values = [float(getattr(taken, key)) for key in _TRAFFIC]
+    values += [math.nan if memory.get(key) is None else float(memory[key]) for key in _MEMORY]  # type: ignore[arg-type]
+    return run.comm.gather_floats(values)
 
 
-def _advance(run: _Run, plan: _RoundPlan, report: RoundReport, per_rank: list[tuple]) -> list[dict]:
+def _settle(run: _Run) -> None:
+    """Wait for the pending round's figures (long arrived, normally), count its bytes, write its records."""
+    pending, run.pending = run.pending, None
+    if pending is None:
+        return
+    per_rank = pending.traffic.wait()
+    run.counters["bytes"] += int(sum(values[0] for values in per_rank))
+    if run.metrics is None:
+        return
+    for record in pending.step_records:
+        run.metrics.write("step", **record)
+    pending.record.update(_traffic_fields(per_rank, run.counters["bytes"]))
+    run.metrics.write("round", **pending.record)
+    if pending.merge is not None:
+        run.metrics.write("merge", **pending.merge.to_dict())
+    run.metrics.flush()
+
+
+def _traffic_fields(per_rank: list[list[float]], bytes_total: int) -> dict:
+    ranks, memory = [], []
+    for rank, values in enumerate(per_rank):
+        traffic = dict(zip(_TRAFFIC, values, strict=False))
+        ranks.append(
+            {
+                "rank": rank,
+                "payload_bytes": int(traffic["bytes_sent"]),
+                "wire_bytes": int(traffic["wire_bytes"]),
+                "comm_seconds": traffic["seconds"],
+                "exchanges": int(traffic["exchanges"]),
+                "wait_seconds": traffic["wait_seconds"],
+            }
+        )
+        held = dict(zip(_MEMORY, values[len(_TRAFFIC) :], strict=True))
+        memory.append({"rank": rank, **{k: v for k, v in held.items() if not math.isnan(v)}})
+    return {
+        "bytes": sum(r["payload_bytes"] for r in ranks),
+        "bytes_total": bytes_total,
+        "comm_seconds": ranks[0]["comm_seconds"],
+        "exchanges": ranks[0]["exchanges"],
+        "wait_seconds": ranks[0]["wait_seconds"],
+        "ranks": ranks,
+        "memory": memory,
+    }
+
+
+def _checkpoint_due(run: _Run, round_index: int) -> bool:
+    """Every ``checkpoint.every`` rounds, and after ``checkpoint.every_minutes`` since the last one."""
+    cadence = run.config.checkpoint
+    if (round_index + 1) % cadence.every == 0:
+        return True
+    return cadence.every_minutes is not None and time.monotonic() - run.checkpointed_at >= 60 * cadence.every_minutes
+
+
+def _advance(run: _Run, plan: _RoundPlan, report: RoundReport) -> list[dict]:
     """Move the counters past the round; returns its step records (the losses came with the round's exchange)."""
     counters = run.counters
     records = []
@@ -552,9 +722,7 @@ def _advance(run: _Run, plan: _RoundPlan, report: RoundReport, per_rank: list[tu
                 "tokens": counters["tokens"],
             }
         )
-    # Each rank counts the payloads of the workers it hosts; rank 0 adds them up for the job.
-    counters["bytes"] += sum(p[0] for p in per_rank)
-    counters["round"] = plan.index + 1
+    counters["round"] = plan.index + 1  # the bytes follow when the round's traffic figures arrive (_settle)
     return records
 
 
@@ -573,37 +741,21 @@ def _evaluate(run: _Run, round_index: int, finished: bool) -> tuple[bool, float]
     return evaluated, time.perf_counter() - started
 
 
-def _record_round(
-    run: _Run,
-    plan: _RoundPlan,
-    report: RoundReport,
-    merge: MergeEvent | None,
-    per_rank: list[tuple],
-    evaluated: bool,
-    eval_seconds: float,
-) -> None:
-    assert run.metrics is not None
+def _round_record(
+    run: _Run, plan: _RoundPlan, report: RoundReport, merge: MergeEvent | None, evaluated: bool, eval_seconds: float
+) -> dict:
+    """The round's record as of its end; the traffic fields (None here) are filled in by ``_settle``."""
     counters, cluster = run.counters, run.cluster
     seconds = time.perf_counter() - plan.started
     classification = run.config.task == "classification"
-    run.metrics.write(
-        "round",
+    return dict(
         round=plan.index,
         steps=plan.steps,
         tokens=counters["tokens"],
         train_loss=report.loss,
         val_loss=dict(run.last_val) if evaluated else None,
         **({"val_accuracy": dict(run.last_accuracy) if evaluated else None} if classification else {}),
-        bytes=sum(p[0] for p in per_rank),
-        bytes_total=counters["bytes"],
-        comm_seconds=per_rank[0][2],
-        exchanges=per_rank[0][4],
-        wait_seconds=per_rank[0][5],
-        ranks=[
-            {"rank": r, "payload_bytes": p, "wire_bytes": w, "comm_seconds": t, "exchanges": n, "wait_seconds": ws}
-            for r, (p, w, t, _, n, ws) in enumerate(per_rank)
-        ],
-        memory=[{"rank": r, **entry[3]} for r, entry in enumerate(per_rank)],
+        **dict.fromkeys(("bytes", "bytes_total", "comm_seconds", "exchanges", "wait_seconds", "ranks", "memory")),
         step=counters["step"],
         tokens_per_second=(counters["tokens"] - plan.tokens_before) / max(seconds, 1e-9),
         round_seconds=seconds,
@@ -620,13 +772,11 @@ def _record_round(
         failed_workers=report.failed,
         skipped_trainers=report.skipped,
     )
-    if merge is not None:
-        run.metrics.write("merge", **merge.to_dict())
-    run.metrics.flush()
 
 
 def _checkpoint(run: _Run, round_index: int) -> None:
     state = run.cluster.state_dict()  # collective: every rank hands its workers' state to rank 0
+    run.last_checkpoint, run.checkpointed_at = round_index, time.monotonic()
     if run.is_root:
         save_checkpoint(
             run.run_dir / "checkpoints",

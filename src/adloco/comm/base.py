@@ -187,6 +187,13 @@ class Communicator(Protocol):
 
     def gather_objects(self, obj: Any) -> list[Any] | None: ...
 
+    def gather_floats(self, values: Sequence[float]) -> Future[list[list[float]]]:
+        """Start gathering every rank's ``values`` (same length on each) to every rank; nothing waits for it now.
+
+        Bookkeeping, not training traffic: it is neither counted among the exchanges nor timed.
+        """
+        ...
+
     def barrier(self) -> None: ...
 
     def close(self) -> None: ...

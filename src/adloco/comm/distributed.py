@@ -255,6 +255,12 @@ class DistributedCommunicator(ExchangeMixin):
         dist.gather_object(obj, out, dst=0)
         return out
 
+    def gather_floats(self, values: Sequence[float]) -> Future[list[list[float]]]:
+        mine = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        outputs = [torch.empty_like(mine) for _ in range(self.world_size)]
+        work = dist.all_gather(outputs, mine, async_op=True)
+        return work.get_future().then(lambda done: (done.wait(), [o.cpu().tolist() for o in outputs])[1])
+
     def barrier(self) -> None:
         dist.barrier()
 

@@ -69,6 +69,11 @@ class LocalCommunicator(ExchangeMixin):
     def gather_objects(self, obj: Any) -> list[Any] | None:
         return [obj]
 
+    def gather_floats(self, values: Sequence[float]) -> Future[list[list[float]]]:
+        done: Future = Future()
+        done.set_result([list(values)])
+        return done
+
     def barrier(self) -> None:
         pass
 

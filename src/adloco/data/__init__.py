@@ -27,6 +27,7 @@ from adloco.data.tokenization import (
     exported_tokenizer,
     get_tokenizer,
     load_pretrained,
+    save_byte_tokenizer,
     save_tokenizer,
     train_bpe,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "load_pretrained",
     "read_text",
     "resolve_source",
+    "save_byte_tokenizer",
     "save_tokenizer",
     "source_from_config",
     "split_text",

@@ -1,0 +1,73 @@
+"""Checks before a run allocates its workers: does what this rank is asked to hold fit in its memory?"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from adloco.errors import ConfigError
+
+_FLOAT = 4  # bytes: parameters, gradients and optimizer state are float32
+_GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """A lower-bound estimate of one rank's training memory, in bytes, and what it is made of."""
+
+    per_worker: int
+    per_trainer: int
+    workers: int
+    trainers: int
+
+    @property
+    def total(self) -> int:
+        return self.per_worker * self.workers + self.per_trainer * self.trainers
+
+
+def estimate_memory(
+    parameters: int, workers: int, trainers: int, batch: int, context: int, hidden: int, layers: int
+) -> MemoryEstimate:
+    """Each hosted worker: weights, gradients and AdamW's two moments (4 copies) plus the activations of one
+    micro-batch (about 8 floats per token, layer and hidden unit); each trainer: θ and the outer momentum.
+
+    Deliberately low (no allocator slack, no buffers of the exchange): a run refused by it could not fit.
+    """
+    activations = 8 * batch * context * hidden * layers * _FLOAT
+    return MemoryEstimate(
+        per_worker=4 * parameters * _FLOAT + activations,
+        per_trainer=2 * parameters * _FLOAT,
+        workers=workers,
+        trainers=trainers,
+    )
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still use: the smaller of MemAvailable and the cgroup's limit; None if unknown."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for path in (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # "max" or a huge number: no limit
+            found.append(int(text))
+    return min(found) if found else None
+
+
+def check_memory(estimate: MemoryEstimate, available: int | None) -> None:
+    """ConfigError naming the numbers when the estimate does not fit in ``available``."""
+    if available is None or estimate.total <= available:
+        return
+    raise ConfigError(
+        f"this rank would need at least {estimate.total / _GIB:,.1f} GiB ({estimate.workers:,} worker(s) × "
+        f"{estimate.per_worker / 2**20:,.0f} MiB + {estimate.trainers:,} trainer(s) × "
+        f"{estimate.per_trainer / 2**20:,.0f} MiB) but {available / _GIB:,.1f} GiB is available; use fewer "
+        "workers or trainers, a smaller batch.size or model, or more ranks"
+    )

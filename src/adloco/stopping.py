@@ -1,0 +1,75 @@
+"""Stopping a run the way a batch scheduler asks: SIGTERM or SIGUSR1 -> checkpoint at the round's end -> exit.
+
+A checkpoint holds a round boundary (the outer state of every method is whole only there), so a signal is acted
+on when the round in progress ends. The exception that ends the run names the checkpoint and the exact command
+that resumes it; Ctrl-C stops at once and says the same about the last checkpoint written.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command line that continues ``run_dir``."""
+    return shlex.join(["adloco", "train", "--resume", str(run_dir)])
+
+
+def where_to_resume(run_dir: Path, checkpoint_round: int | None) -> str:
+    """What a stopped run leaves: the command that resumes it, or that nothing was checkpointed yet."""
+    if checkpoint_round is None:
+        return f"no checkpoint was written yet in {run_dir}; start the run again"
+    return f"checkpoint of round {checkpoint_round + 1} in {run_dir}; resume with: {resume_command(run_dir)}"
+
+
+class Stopped(Exception):
+    """The run stopped on a signal after checkpointing; ``exit_code`` is 128 + the signal's number."""
+
+    def __init__(self, signum: int, run_dir: Path, checkpoint_round: int | None) -> None:
+        self.exit_code = 128 + signum
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped on {name}: {where_to_resume(run_dir, checkpoint_round)}")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with what the run left behind."""
+
+    def __init__(self, run_dir: Path, checkpoint_round: int | None) -> None:
+        super().__init__(f"interrupted: {where_to_resume(run_dir, checkpoint_round)}")
+
+
+class StopSignals:
+    """While entered, SIGTERM and SIGUSR1 only set ``requested``; the previous handlers come back on exit.
+
+    ``enabled`` False leaves the signals alone: under torchrun the ranks would have to agree on the round to stop
+    at, and their default (an immediate exit, the last periodic checkpoint kept) is the safe behaviour there.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()  # Python's rule
+        self.requested: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested is None:
+            name = signal.Signals(signum).name
+            print(f"adloco: {name} received; stopping after this round's checkpoint", file=sys.stderr, flush=True)
+        self.requested = signum
+
+    def __enter__(self) -> StopSignals:
+        if self.enabled:
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        self._previous.clear()

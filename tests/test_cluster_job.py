@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from adloco.checkpoint import list_checkpoints
+from adloco.cli import main
 from adloco.config import ConfigError, build_config, load_config
 from adloco.preflight import check_memory, estimate_memory
 from adloco.runs import RUNNING_FILE, lock_run
@@ -26,6 +28,18 @@ def _adloco(*args, cwd, timeout=300):
     return subprocess.run(
         [sys.executable, "-m", "adloco", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env
     )
+
+
+def _cli(capsys, *args, cwd: Path):
+    """The command line in this process (the same code as ``adloco``, without a second torch import)."""
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        code = main(list(args))
+    finally:
+        os.chdir(old)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
 
 def _one_line_error(result, fragment: str) -> str:
@@ -65,13 +79,13 @@ def test_memory_estimate_names_the_numbers():
         check_memory(estimate, available=estimate.total - 1)
 
 
-def test_a_rank_that_cannot_hold_its_workers_is_refused_before_building_them(tmp_path):
-    result = _adloco("train", *FAST, "workers=100000", "model.preset=small", cwd=tmp_path, timeout=120)
+def test_a_rank_that_cannot_hold_its_workers_is_refused_before_building_them(tmp_path, capsys):
+    result = _cli(capsys, "train", *FAST, "workers=100000", "model.preset=small", cwd=tmp_path)
     _one_line_error(result, "would need at least")
 
 
-def test_a_budget_below_one_step_says_so_and_trains_that_step(tmp_path):
-    result = _adloco("train", *FAST, "total_tokens=10", "run.plots=false", cwd=tmp_path)
+def test_a_budget_below_one_step_says_so_and_trains_that_step(tmp_path, capsys):
+    result = _cli(capsys, "train", *FAST, "total_tokens=10", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "total_tokens=10 is less than one inner step (64 tokens" in result.stderr
     assert "after 64 tokens" in result.stdout
@@ -80,9 +94,9 @@ def test_a_budget_below_one_step_says_so_and_trains_that_step(tmp_path):
 # -- progress without a terminal ----------------------------------------------------------------------------------
 
 
-def test_piped_training_prints_the_run_folder_first_then_plain_progress_lines(tmp_path):
+def test_piped_training_prints_the_run_folder_first_then_plain_progress_lines(tmp_path, capsys):
     overrides = [*FAST, "total_tokens=4096", "run.progress=true", "run.progress_every_s=0.01", "run.name=piped"]
-    result = _adloco("train", *overrides, cwd=tmp_path)
+    result = _cli(capsys, "train", *overrides, cwd=tmp_path)  # captured: not a terminal, as under nohup
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[0] == f"adloco: run directory {Path('runs') / 'piped'}"
@@ -132,11 +146,11 @@ def test_a_run_folder_has_one_live_trainer_and_a_dead_ones_lock_is_taken_over(tm
     assert not (tmp_path / RUNNING_FILE).exists()
 
 
-def test_resuming_a_run_that_is_training_is_refused(tmp_path):
+def test_resuming_a_run_that_is_training_is_refused(tmp_path, capsys):
     run = train(build_config(overrides=[*FAST, "total_tokens=128", f"run.root={tmp_path}", "run.name=r"])).run_dir
-    lock = lock_run(run)  # as a training process would hold it
+    lock = lock_run(run)  # as a training process would hold it (flock: another open of the file conflicts)
     try:
-        result = _adloco("train", "--resume", str(run), cwd=tmp_path)
+        result = _cli(capsys, "train", "--resume", str(run), cwd=tmp_path)
         _one_line_error(result, f"is being trained by process {os.getpid()}")
     finally:
         lock.release(None)
@@ -153,8 +167,8 @@ def stopped_run(tmp_path_factory):
     return train(build_config(overrides=overrides)).run_dir
 
 
-def test_resume_with_a_larger_budget_continues_and_records_the_change(stopped_run, tmp_path):
-    result = _adloco("train", "--resume", str(stopped_run), "total_tokens=512", "eval.every=1", cwd=tmp_path)
+def test_resume_with_a_larger_budget_continues_and_records_the_change(stopped_run, tmp_path, capsys):
+    result = _cli(capsys, "train", "--resume", str(stopped_run), "total_tokens=512", "eval.every=1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "resuming with changed settings: eval.every: 2 -> 1; total_tokens: 256 -> 512" in result.stderr
     assert "after 512 tokens" in result.stdout
@@ -162,14 +176,14 @@ def test_resume_with_a_larger_budget_continues_and_records_the_change(stopped_ru
     assert "total_tokens: 256 -> 512" in (stopped_run / "train.log").read_text()
 
 
-def test_resume_refuses_a_change_that_does_not_fit_the_checkpoint(stopped_run, tmp_path):
+def test_resume_refuses_a_change_that_does_not_fit_the_checkpoint(stopped_run, tmp_path, capsys):
     before = (stopped_run / "config.yaml").read_text()
-    result = _adloco("train", "--resume", str(stopped_run), "workers=4", cwd=tmp_path)
+    result = _cli(capsys, "train", "--resume", str(stopped_run), "workers=4", cwd=tmp_path)
     _one_line_error(result, "'workers' cannot change when a run resumes; only total_tokens")
     # A hand edit of config.yaml (workers 2 -> 1) is caught against the checkpoint's own config.
     (stopped_run / "config.yaml").write_text(before.replace("workers: 2", "workers: 1"))
     try:
-        result = _adloco("train", "--resume", str(stopped_run), cwd=tmp_path)
+        result = _cli(capsys, "train", "--resume", str(stopped_run), cwd=tmp_path)
         _one_line_error(result, "the checkpoint was written with another setting: workers 2, now 1; only total_")
     finally:
         (stopped_run / "config.yaml").write_text(before)
@@ -194,20 +208,19 @@ def _wait_for_round(metrics: Path, proc: subprocess.Popen, timeout: float = 120)
     raise AssertionError("the run wrote no round in time")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_stop_signal_checkpoints_at_the_round_end_and_the_resume_is_bit_identical(tmp_path, signum):
-    overrides = [*FAST, "total_tokens=8192", "checkpoint.every=1000", "threads=1", "run.plots=false"]
+def test_sigterm_checkpoints_at_the_round_end_and_the_resume_is_bit_identical(tmp_path):
+    overrides = [*FAST, "total_tokens=4096", "checkpoint.every=1000", "threads=1", "run.plots=false"]
     reference = train(build_config(overrides=[*overrides, f"run.root={tmp_path}", "run.name=reference"]))
     proc = _start(tmp_path, "stopped", overrides)
     _wait_for_round(tmp_path / "stopped" / "metrics.jsonl", proc)
-    proc.send_signal(signum)
+    proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signum, err
+    assert proc.returncode == 128 + signal.SIGTERM, err
     checkpoints = list_checkpoints(tmp_path / "stopped" / "checkpoints")
     assert len(checkpoints) == 1  # checkpoint.every=1000: this one is the signal's
     run_dir, round_number = tmp_path / "stopped", int(checkpoints[0].stem.split("_")[1]) + 1
     assert err.strip().splitlines()[-1] == (
-        f"adloco: stopped on {signal.Signals(signum).name}: checkpoint of round {round_number} in {run_dir}; "
+        f"adloco: stopped on SIGTERM: checkpoint of round {round_number} in {run_dir}; "
         f"resume with: adloco train --resume {run_dir}"
     )
     assert not (tmp_path / "stopped" / "FAILED").exists()
@@ -215,6 +228,16 @@ def test_a_stop_signal_checkpoints_at_the_round_end_and_the_resume_is_bit_identi
     assert resumed.returncode == 0, resumed.stderr
     expected, got = final_params(reference.run_dir), final_params(tmp_path / "stopped")
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_sigusr1_stops_the_same_way(tmp_path):
+    proc = _start(tmp_path, "stopped", [*FAST, "total_tokens=100000", "checkpoint.every=1000", "threads=1"])
+    _wait_for_round(tmp_path / "stopped" / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGUSR1, err
+    assert len(list_checkpoints(tmp_path / "stopped" / "checkpoints")) == 1
+    assert err.strip().splitlines()[-1].startswith("adloco: stopped on SIGUSR1: checkpoint of round ")
 
 
 def test_ctrl_c_names_the_newest_checkpoint_or_says_there_is_none(tmp_path):
@@ -261,3 +284,41 @@ def test_the_byte_export_loads_with_auto_tokenizer_and_follows_the_umask(tmp_pat
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert ids == list(text.encode("utf-8")) and tokenizer.decode(ids) == text
     assert stat.S_IMODE((run.run_dir / "final" / "model.safetensors").stat().st_mode) == 0o640
+
+
+# -- the command line ----------------------------------------------------------------------------------------------
+
+
+def test_print_config_shows_the_resolved_config_and_trains_nothing(tmp_path):
+    result = _adloco("train", "total_tokens=2e4", "method=adloco", "--print-config", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert printed["total_tokens"] == 20_000 and printed["trainers"] == 4 and printed["batch"]["test"] == "norm"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_quiet_and_verbose(tmp_path, capsys):
+    overrides = [*FAST, "total_tokens=256", "run.progress=true", "run.progress_every_s=0.01"]
+    quiet = _cli(capsys, "train", *overrides, "-q", cwd=tmp_path)
+    assert quiet.returncode == 0 and quiet.stderr == "" and "final validation loss" in quiet.stdout
+    verbose = _cli(capsys, "train", *overrides, "-v", cwd=tmp_path)
+    assert verbose.returncode == 0 and "start: method=diloco trainers=1 workers=2" in verbose.stderr
+    assert "Traceback" not in verbose.stderr
+
+
+def test_a_damaged_newest_checkpoint_is_reported_in_train_log_and_an_older_one_used(tmp_path, capsys):
+    overrides = [*FAST, "total_tokens=512", "checkpoint.every=1", f"run.root={tmp_path}", "run.name=d"]
+    run = train(build_config(overrides=overrides)).run_dir
+    newest = list_checkpoints(run / "checkpoints")[-1]
+    newest.write_bytes(newest.read_bytes()[:100])
+    result = _cli(capsys, "train", "--resume", str(run), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    logged = (run / "train.log").read_text()
+    assert f"checkpoint '{newest}' is damaged" in logged and "using an older checkpoint" in logged
+
+
+def test_runs_counts_tokens_as_the_bar_does():
+    from adloco.runs import RunSummary, _tokens_text
+
+    summary = RunSummary("r", "r", "diloco", "finished", 20_736, 20_000, rounds=1, val_loss=None, modified=0.0)
+    assert _tokens_text(summary) == "20.7k/20k"

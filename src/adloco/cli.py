@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -27,18 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="adloco", description="Low-communication distributed training of language models.")
     parser.add_argument("--version", action="version", version=f"adloco {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    train = commands.add_parser("train", help="train a model (default: DiLoCo, 4 workers, tiny LLaMA, Shakespeare)")
-    train.add_argument(
-        "items",
-        nargs="*",
-        metavar="[CONFIG.yaml] key=value",
-        help="an optional YAML config file followed by overrides such as method=adloco inner.lr=2e-3",
-    )
-    train.add_argument(
-        "--resume",
-        metavar="RUN_DIR",
-        help="continue a run from its last checkpoint; overrides may change the budget, cadences and run options",
-    )
+    _add_train(commands)
     evaluate = commands.add_parser("eval", help="validation loss and perplexity of a run's exported model")
     evaluate.add_argument("run_dir", metavar="RUN_DIR")
     sample = commands.add_parser("sample", help="generate text with a run's exported model")
@@ -80,6 +70,27 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--trainer", type=int, default=None, help="trainer to follow (default: the final best)")
     estimate.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return parser
+
+
+def _add_train(commands) -> None:
+    train = commands.add_parser("train", help="train a model (default: DiLoCo, 4 workers, tiny LLaMA, Shakespeare)")
+    train.add_argument(
+        "items",
+        nargs="*",
+        metavar="[CONFIG.yaml] key=value",
+        help="an optional YAML config file followed by overrides such as method=adloco inner.lr=2e-3",
+    )
+    train.add_argument(
+        "--print-config", action="store_true", help="print the resolved config (every default filled in) and exit"
+    )
+    loudness = train.add_mutually_exclusive_group()
+    loudness.add_argument("-q", "--quiet", action="store_true", help="no progress; errors and the result only")
+    loudness.add_argument("-v", "--verbose", action="store_true", help="also show what train.log records")
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run from its last checkpoint; overrides may change the budget, cadences and run options",
+    )
 
 
 def _split_items(items: list[str]) -> tuple[str | None, list[str]]:
@@ -231,6 +242,25 @@ def _gradients(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _verbose_log(console):
+    """train.log's lines on the console as well, drawn by rich so that they do not tear the progress bar."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    handler = RichHandler(console=console, show_time=False, show_path=False, markup=False)
+    logger = logging.getLogger("adloco")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def _train(args: argparse.Namespace, load_config) -> int:
     from rich.console import Console
 
@@ -249,10 +279,16 @@ def _train(args: argparse.Namespace, load_config) -> int:
     else:
         run_dir = None
         config = load_config(config_file, overrides)  # before the heavy imports: a typo fails in a second or two
+    if args.print_config:
+        print(config.to_yaml(), end="")
+        return 0
+    if args.quiet:
+        config.run.progress = False
     from adloco.training import train
 
     console = Console(stderr=True)
-    result = train(config, resume=run_dir, console=console)
+    with _verbose_log(console) if args.verbose else contextlib.nullcontext():
+        result = train(config, resume=run_dir, console=console)
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun rank 0 speaks for the job
     print(f"run directory: {result.run_dir}")

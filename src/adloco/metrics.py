@@ -19,6 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from adloco.checkpoint import write_failure
 from adloco.tracking import FanOut, Tracker
+from adloco.units import duration, short_count
 
 _MIB = 2**20
 
@@ -153,22 +154,6 @@ def make_progress(console: Console, enabled: bool) -> Progress:
         disable=not enabled,
         transient=False,
     )
-
-
-def short_count(value: float) -> str:
-    """1234 -> 1.2k, 1536000 -> 1.5M: counts that fit a narrow bar."""
-    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= limit:
-            return f"{value / limit:.3g}{suffix}"
-    return f"{value:.0f}"
-
-
-def duration(seconds: float) -> str:
-    """5h03m, 12m05s, 42s."""
-    seconds = max(0, int(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 @dataclass

@@ -26,6 +26,7 @@ import yaml
 
 from adloco.errors import CheckpointError, ConfigError
 from adloco.stopping import Stopped
+from adloco.units import short_count
 
 RUNNING_FILE = "RUNNING"
 FAILED_FILE = "FAILED"
@@ -286,9 +287,8 @@ def find_runs(root: Path) -> list[RunSummary]:
 
 
 def _count(n: int) -> str:
-    if n < 10_000:
-        return f"{n:,}"
-    return f"{n / 1e3:.0f}k" if n < 1_000_000 else f"{n / 1e6:.2f}M"
+    # Three significant digits, as the progress bar shows them: 20,736 of 20,000 reads 20.7k/20k, not 21k/20k.
+    return f"{n:,}" if n < 10_000 else short_count(n)
 
 
 def _tokens_text(run: RunSummary) -> str:

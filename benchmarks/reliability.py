@@ -232,7 +232,7 @@ class Fuzzer:
                 argv = ["train", "--resume", argv[1]]
         elif kind == "sample-numbers":
             bad = {
-                "--tokens": ["-1", "abc", "1.5", "", "nan"],
+                "--tokens": ["-1", "abc", "1.5", "", "nan", "1000000000000"],
                 "--temperature": ["-1", "nan", "-inf", "inf", "x"],
                 "--top-k": ["0", "-3", "x"],
                 "--seed": ["99999999999999999999999", "x"],
@@ -333,6 +333,12 @@ def fuzz(inputs: int, seed: int, subprocess_sample: int, work: Path) -> dict[str
         ["train", "--resume", str(fuzzer.broken["manifest-garbage"])],
         ["train", "model.preset=x", "--bogus"],
         ["train", f"data.dataset={work / 'missing.txt'}"],
+        # What a user tried when running adloco as a cluster job:
+        ["train", "inner.lr=1e300"],
+        ["train", "inner.lr=1e40"],
+        ["sample", str(fuzzer.good), "--tokens", "1000000000000"],
+        ["train", "--resume", str(fuzzer.good), "workers=1"],
+        ["train", "workers=100000", "model.preset=small", f"run.root={work / 'never'}"],
     ]
     for index in range(subprocess_sample):
         if index < len(commands):

@@ -80,8 +80,9 @@ def test_memory_estimate_names_the_numbers():
 
 
 def test_a_rank_that_cannot_hold_its_workers_is_refused_before_building_them(tmp_path, capsys):
-    result = _cli(capsys, "train", *FAST, "workers=100000", "model.preset=small", cwd=tmp_path)
+    result = _cli(capsys, "train", *FAST, "workers=100000", "model.preset=small", "run.progress=true", cwd=tmp_path)
     _one_line_error(result, "would need at least")
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()  # refused before
 
 
 def test_a_budget_below_one_step_says_so_and_trains_that_step(tmp_path, capsys):

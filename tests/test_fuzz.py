@@ -307,6 +307,7 @@ def _would_train(items: list[str]) -> bool:
 
 @FUZZ
 @given(st.lists(overrides, min_size=1, max_size=4))
+@example(["=\ud800"])  # a lone surrogate (an undecodable argument) quoted in the error must still print
 def test_train_with_bad_overrides_exits_2(capsys, scratch, items):
     items = [*items, f"run.root={scratch / 'never'}"]
     if _would_train(items):

@@ -15,8 +15,10 @@ EXIT_USAGE = 2
 
 
 def _one_line(message: object) -> str:
-    """An error message on one line even when it quotes user input holding line breaks."""
-    return str(message).replace("\r", "\\r").replace("\n", "\\n")
+    """An error message on one line even when it quotes user input holding line breaks, and printable even when
+    that input holds what no encoding can write (a lone surrogate from an undecodable argument)."""
+    text = str(message).replace("\r", "\\r").replace("\n", "\\n")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -152,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as error:
         # Interrupted names the run and its newest checkpoint; a bare one came before the run directory existed.
-        print(f"adloco: {error or 'interrupted before the run started'}", file=sys.stderr)
+        print(f"adloco: {_one_line(error or 'interrupted before the run started')}", file=sys.stderr)
         return 130
     except Stopped as error:
-        print(f"adloco: {error}", file=sys.stderr)
+        print(f"adloco: {_one_line(error)}", file=sys.stderr)
         return error.exit_code
     return 0
 

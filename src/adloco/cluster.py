@@ -16,7 +16,6 @@ from adloco.algorithms.merge import merge_weights, merged_batch_size, select_mer
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
-from adloco.preflight import available_memory, check_memory, estimate_memory
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
 from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build_strategy
 from adloco.sync.rounds import SKIPPED_STEP
@@ -146,7 +145,6 @@ class Cluster:
         for trainer_id, worker_ids in layout.items():
             template = task.build_model(config.seed if config.merge.shared_init else config.seed + trainer_id)
             if b_max is None:
-                self._check_memory(template, layout)
                 b_max = resolve_b_max(config, template.to(self.device), self.context, task.vocab_size, task)
                 template = template.cpu()
                 fragments = parameter_fragments(config, [name for name, _ in template.named_parameters()])
@@ -158,22 +156,6 @@ class Cluster:
             self.trainers[trainer_id].broadcast(self.workers)
         assert b_max is not None
         return template, b_max
-
-    def _check_memory(self, template: torch.nn.Module, layout: dict[int, list[int]]) -> None:
-        """Refuse, naming the numbers, a rank whose workers cannot fit in host memory, before any is built."""
-        if self.device.type != "cpu":
-            return  # a GPU's own limit is b_max's business (resolve_b_max probes it)
-        model = template.config
-        estimate = estimate_memory(
-            parameters=sum(p.numel() for p in template.parameters()),
-            workers=sum(1 for rank in self.worker_rank.values() if rank == self.comm.rank),
-            trainers=len(layout),
-            batch=self.config.batch.size,
-            context=self.context,
-            hidden=int(getattr(model, "hidden_size", 0) or 0),
-            layers=int(getattr(model, "num_hidden_layers", 0) or 0),
-        )
-        check_memory(estimate, available_memory())
 
     def _trainer(
         self, trainer_id: int, template: torch.nn.Module, worker_ids: list[int], fragments: list[list[int]] | None

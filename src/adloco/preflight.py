@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from adloco.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from adloco.config import TrainConfig
 
 _FLOAT = 4  # bytes: parameters, gradients and optimizer state are float32
 _GIB = 2**30
@@ -71,3 +77,18 @@ def check_memory(estimate: MemoryEstimate, available: int | None) -> None:
         f"{estimate.per_trainer / 2**20:,.0f} MiB) but {available / _GIB:,.1f} GiB is available; use fewer "
         "workers or trainers, a smaller batch.size or model, or more ranks"
     )
+
+
+def check_rank_memory(config: TrainConfig, model: torch.nn.Module, context: int, hosted_workers: int) -> None:
+    """Refuse, naming the numbers, a rank whose workers cannot fit in host memory (before anything is made)."""
+    settings = getattr(model, "config", None)
+    estimate = estimate_memory(
+        parameters=sum(p.numel() for p in model.parameters()),
+        workers=hosted_workers,
+        trainers=config.trainers or 1,
+        batch=config.batch.size,
+        context=context,
+        hidden=int(getattr(settings, "hidden_size", 0) or 0),
+        layers=int(getattr(settings, "num_hidden_layers", 0) or 0),
+    )
+    check_memory(estimate, available_memory())

@@ -26,7 +26,7 @@ from adloco.checkpoint import (
     save_checkpoint,
     write_failure,
 )
-from adloco.cluster import Cluster, MergeEvent, RoundReport, StepProgress
+from adloco.cluster import Cluster, MergeEvent, RoundReport, StepProgress, rank_placement
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.comm.distributed import (
     DistributedCommunicator,
@@ -47,6 +47,7 @@ from adloco.data import (
     training_texts,
 )
 from adloco.metrics import MetricsWriter, RunDisplay, memory_snapshot
+from adloco.preflight import check_rank_memory
 from adloco.runs import RunLock, lock_run
 from adloco.stopping import Interrupted, Stopped, StopSignals, where_to_resume
 from adloco.tasks import Task, build_task, classification_texts, mean_next_token_loss
@@ -305,6 +306,10 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
     elif restart is not None and restart[0] == "again":
         again = Path(restart[1])
     tokenizer, run_task = _tokenizer_and_task(config, resume)
+    if device.type == "cpu":  # a GPU's own limit is b_max's business (resolve_b_max probes it)
+        hosted = rank_placement(config.total_workers, comm.world_size, config.slots_per_rank)
+        workers_here = sum(1 for rank in hosted.values() if rank == comm.rank)
+        check_rank_memory(config, run_task.build_model(config.seed), run_task.context, workers_here)
     lock, run_dir = _claim_run_dir(config, resume, again, comm)
     if comm.rank == 0 and resume is None:
         save_tokenizer(tokenizer, run_dir / SAVED_DIR)

@@ -155,18 +155,23 @@ def _tbf(namespace: str, device: str, rate_mbit: int) -> None:
           f"{rate_mbit}mbit", "burst", burst_for(rate_mbit), "latency", TBF_LATENCY])  # fmt: skip
 
 
+def _layout(ranks: int, prefix: str) -> tuple[tuple[str, ...], str, tuple[str, ...], tuple[str, ...]]:
+    """Rank namespaces, the hub namespace, each rank's interface and address (rank k at SUBNET.k+1)."""
+    if not 2 <= ranks <= 8:
+        raise LinkError(f"ranks must be between 2 and 8, got {ranks}")
+    names = tuple(f"{prefix}ns{k}" for k in range(ranks))
+    interfaces = tuple(f"{prefix}v{k}" for k in range(ranks))
+    return names, f"{prefix}hub", interfaces, tuple(f"{SUBNET}.{k + 1}" for k in range(ranks))
+
+
 @contextmanager
 def namespace_link(rate_mbit: int, ranks: int = 2, prefix: str = "adl") -> Iterator[Link]:
     """Create the namespaces, bridge and limited veth pairs; always remove them on the way out.
 
     Nothing is created in the caller's own namespace: every interface is made directly inside its namespace.
     """
-    if not 2 <= ranks <= 8:
-        raise LinkError(f"ranks must be between 2 and 8, got {ranks}")
-    names = tuple(f"{prefix}ns{k}" for k in range(ranks))
-    hub, bridge = f"{prefix}hub", f"{prefix}br"
-    interfaces = tuple(f"{prefix}v{k}" for k in range(ranks))
-    addresses = tuple(f"{SUBNET}.{k + 1}" for k in range(ranks))
+    names, hub, interfaces, addresses = _layout(ranks, prefix)
+    bridge = f"{prefix}br"
     _delete_namespaces([*names, hub])  # left over from a run that was killed before its cleanup
     try:
         for name in (*names, hub):
@@ -202,12 +207,7 @@ def delay_link(rate_mbit: int, rtt_ms: float, ranks: int = 2, prefix: str = "adl
     The delay line runs in the hub namespace and creates one TUN device per rank there; each device is then moved
     into its rank's namespace. Everything is removed on the way out, the delay line stopped.
     """
-    if not 2 <= ranks <= 8:
-        raise LinkError(f"ranks must be between 2 and 8, got {ranks}")
-    names = tuple(f"{prefix}ns{k}" for k in range(ranks))
-    hub = f"{prefix}hub"
-    interfaces = tuple(f"{prefix}v{k}" for k in range(ranks))
-    addresses = tuple(f"{SUBNET}.{k + 1}" for k in range(ranks))
+    names, hub, interfaces, addresses = _layout(ranks, prefix)
     _delete_namespaces([*names, hub])
     line: subprocess.Popen | None = None
     try:

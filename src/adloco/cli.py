@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"adloco: {_one_line(error or 'interrupted before the run started')}", file=sys.stderr)
         return 130
     except Stopped as error:
-        print(f"adloco: {_one_line(error)}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank stops at the same boundary; rank 0 speaks for the job
+            print(f"adloco: {_one_line(error)}", file=sys.stderr)
         return error.exit_code
     return 0
 

@@ -18,7 +18,7 @@ from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
 from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build_strategy
-from adloco.sync.rounds import SKIPPED_STEP
+from adloco.sync.rounds import SKIPPED_STEP, BoundaryRequest
 from adloco.tasks import Task
 from adloco.trainer import Trainer
 from adloco.worker import StepResult, Worker
@@ -65,6 +65,7 @@ class RoundReport:
     batch: dict[int, dict] = field(default_factory=dict)
     failed: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
+    request: BoundaryRequest = BoundaryRequest()
 
 
 def rank_placement(total_workers: int, world_size: int, slots_per_rank: int | None) -> dict[int, int]:
@@ -216,9 +217,11 @@ class Cluster:
         lr_at: Callable[[int], float],
         on_step: Callable[[StepProgress], None] | None = None,
         first_step: int = 0,
+        ask: Callable[[], BoundaryRequest] = BoundaryRequest,
     ) -> RoundReport:
         """H inner steps on every hosted worker, with the strategy's exchanges where it wants them, then the
-        round boundary: outer steps, batch decisions and, where ranks host different trainers, their state."""
+        round boundary: outer steps, batch decisions and, where ranks host different trainers, their state.
+        ``ask`` says what this rank wants of the boundary; it is read before each report leaves the rank."""
         state = RoundState(round_index, steps, first_step, self.statistics_due(round_index))
         state.local = {w: WorkerRound(b_max=self.b_max[w]) for w in self.workers}
         # The plan (samples per step) is fixed for the round: every rank counts the same budget without asking.
@@ -227,6 +230,7 @@ class Cluster:
         for step in range(steps):
             lr = lr_at(step)
             self._compute(state, step, samples)
+            state.stamp(ask())
             stepping = self.sync.after_backward(state, step)
             for worker_id, worker in self.workers.items():
                 if worker_id in stepping:
@@ -236,6 +240,7 @@ class Cluster:
             self.sync.after_inner_step(state, step)
             if on_step is not None:
                 on_step(StepProgress(step=step, lr=lr, loss=_local_loss(state, step), tokens=planned_tokens))
+        state.stamp(ask())
         self.sync.end_of_round(state)
         for worker_id in state.out:
             self.workers[worker_id].reset_optimizer()  # restarts from θ with fresh AdamW moments
@@ -296,6 +301,7 @@ class Cluster:
         report.tokens = sum(report.step_tokens)
         report.loss = {k: sum(losses[k] for losses in report.step_loss) / state.steps for k in self.trainers}
         report.failed = sorted(w for w, r in state.reports.items() if r.failed)
+        report.request = state.boundary_request()
         # A trainer made no progress when, at some step, none of its workers had a finite step.
         report.skipped = [
             k

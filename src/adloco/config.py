@@ -172,8 +172,8 @@ class CheckpointConfig(_Section):
     every_minutes: float | None = Field(
         None,
         gt=0,
-        description="Also write one at the first round end after this many minutes since the last (one process "
-        "only: under torchrun the ranks would have to agree on the time).",
+        description="Also write one at the first round end after this many minutes since the last (under "
+        "torchrun: by the first rank whose clock says so; the round's reports make every rank agree).",
     )
     keep: int = Field(2, ge=1, description="How many checkpoints to keep.")
 

@@ -48,19 +48,20 @@ class Interrupted(KeyboardInterrupt):
 class StopSignals:
     """While entered, SIGTERM and SIGUSR1 only set ``requested``; the previous handlers come back on exit.
 
-    ``enabled`` False leaves the signals alone: under torchrun the ranks would have to agree on the round to stop
-    at, and their default (an immediate exit, the last periodic checkpoint kept) is the safe behaviour there.
+    Under torchrun each rank holds its own; the request travels in the round's reports, so the ranks stop at the
+    same round boundary whichever of them got the signal (``rank`` names the one speaking).
     """
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()  # Python's rule
+    def __init__(self, rank: int | None = None) -> None:
+        self.enabled = threading.current_thread() is threading.main_thread()  # Python's rule
         self.requested: int | None = None
+        self._who = "" if rank is None else f"rank {rank}: "
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested is None:
             name = signal.Signals(signum).name
-            print(f"adloco: {name} received; stopping after this round's checkpoint", file=sys.stderr, flush=True)
+            print(f"adloco: {self._who}{name} received; stopping at a round's end", file=sys.stderr, flush=True)
         self.requested = signum
 
     def __enter__(self) -> StopSignals:

@@ -50,6 +50,7 @@ from adloco.metrics import MetricsWriter, RunDisplay, memory_snapshot
 from adloco.preflight import check_rank_memory
 from adloco.runs import RunLock, lock_run
 from adloco.stopping import Interrupted, Stopped, StopSignals, where_to_resume
+from adloco.sync.rounds import BoundaryRequest
 from adloco.tasks import Task, build_task, classification_texts, mean_next_token_loss
 from adloco.tracking import check_trackers, open_trackers
 
@@ -295,8 +296,6 @@ def _agree_on_restart(config: TrainConfig, comm: Communicator) -> tuple[str, str
 
 
 def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
-    if config.checkpoint.every_minutes is not None and comm.world_size > 1:
-        raise ConfigError("checkpoint.every_minutes needs one process; under torchrun use checkpoint.every (rounds)")
     device = resolve_device(config)
     # A torchrun attempt after a failure continues the run its first attempt made, with no --resume needed.
     restart = _agree_on_restart(config, comm) if restart_attempt() > 0 else None
@@ -465,7 +464,7 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
         log=log.info if run.is_root else lambda line: None,
     )
     _check_budget(run, console)
-    with display, StopSignals(enabled=run.comm.world_size == 1) as stop:
+    with display, StopSignals(rank=run.comm.rank if run.comm.world_size > 1 else None) as stop:
         while run.counters["tokens"] < config.total_tokens:
             plan = _plan_round(run)
             report = run.cluster.run_round(
@@ -474,10 +473,11 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
                 lambda step, plan=plan: plan.lr_at(config, step),
                 lambda step, plan=plan: _show_step(run, plan, step, display),
                 first_step=plan.first_step,
+                ask=lambda: BoundaryRequest(stop_signal=stop.requested or 0, checkpoint=_checkpoint_time_due(run)),
             )
             _finish_round(run, plan, report)
-            if stop.requested is not None and run.counters["tokens"] < config.total_tokens:
-                _stop(run, plan, report, stop.requested)
+            if report.request.stop_signal and run.counters["tokens"] < config.total_tokens:
+                _stop(run, plan, report, report.request.stop_signal)
         display.show(run.counters["round"] - 1, run.counters["tokens"], "done", force=True)
     return _finish(run, tokenizer_info)
 
@@ -621,7 +621,7 @@ def _finish_round(run: _Run, plan: _RoundPlan, report: RoundReport) -> None:
     counters["seconds"] = time.perf_counter() - run.started
     record = _round_record(run, plan, report, merge, evaluated, eval_seconds) if run.metrics is not None else {}
     run.pending = _PendingRound(traffic, step_records, record, merge)
-    checkpoint_due = not report.skipped and (_checkpoint_due(run, plan.index) or finished)
+    checkpoint_due = not report.skipped and (_checkpoint_due(run, plan.index, report) or finished)
     if finished or checkpoint_due or run.failed_streak >= run.config.run.max_failed_rounds:
         _settle(run)  # a checkpoint holds this round's byte count; the last round is recorded before the end
     if run.failed_streak >= run.config.run.max_failed_rounds:
@@ -703,12 +703,15 @@ def _traffic_fields(per_rank: list[list[float]], bytes_total: int) -> dict:
     }
 
 
-def _checkpoint_due(run: _Run, round_index: int) -> bool:
-    """Every ``checkpoint.every`` rounds, and after ``checkpoint.every_minutes`` since the last one."""
-    cadence = run.config.checkpoint
-    if (round_index + 1) % cadence.every == 0:
-        return True
-    return cadence.every_minutes is not None and time.monotonic() - run.checkpointed_at >= 60 * cadence.every_minutes
+def _checkpoint_due(run: _Run, round_index: int, report: RoundReport) -> bool:
+    """Every ``checkpoint.every`` rounds, and where some rank found ``checkpoint.every_minutes`` past."""
+    return (round_index + 1) % run.config.checkpoint.every == 0 or report.request.checkpoint
+
+
+def _checkpoint_time_due(run: _Run) -> bool:
+    """This rank's clock says the time cadence is due (the round's reports make it the job's decision)."""
+    minutes = run.config.checkpoint.every_minutes
+    return minutes is not None and time.monotonic() - run.checkpointed_at >= 60 * minutes
 
 
 def _advance(run: _Run, plan: _RoundPlan, report: RoundReport) -> list[dict]:

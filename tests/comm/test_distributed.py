@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from adloco.checkpoint import list_checkpoints
 from adloco.config import build_config
 from adloco.metrics import read_metrics
 from adloco.training import train
@@ -43,8 +44,8 @@ def _env() -> dict:
     return env
 
 
-def _torchrun(ranks: int, args: list[str], cwd, timeout=240) -> subprocess.CompletedProcess:
-    command = [
+def _torchrun_command(ranks: int, args: list[str]) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -56,6 +57,10 @@ def _torchrun(ranks: int, args: list[str], cwd, timeout=240) -> subprocess.Compl
         "train",
         *args,
     ]
+
+
+def _torchrun(ranks: int, args: list[str], cwd, timeout=240) -> subprocess.CompletedProcess:
+    command = _torchrun_command(ranks, args)
     result = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=_env())
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -90,10 +95,18 @@ def test_adloco_merges_hand_ranks_over_and_match_in_process(tmp_path):
     assert same_params(final_params(local.run_dir), final_params(partial))
 
 
-def _launch_two_ranks(tmp_path, name: str, timeout_s: int) -> list[subprocess.Popen]:
+def _wait_for_round(metrics, procs: list[subprocess.Popen], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if metrics.exists() and '"kind": "round"' in metrics.read_text():
+            return
+        time.sleep(0.05)
+
+
+def _launch_two_ranks(tmp_path, name: str, timeout_s: int, method: list[str] | None = None) -> list[subprocess.Popen]:
     """Two ranks started by hand (as torchrun would), a long run, and a wait until the first round is logged."""
     port = _free_port()
-    args = [*DILOCO, "workers=2", "total_tokens=100000", f"run.root={tmp_path}", f"run.name={name}"]
+    args = [*DILOCO, "workers=2", *(method or []), "total_tokens=100000", f"run.root={tmp_path}", f"run.name={name}"]
     procs = []
     for rank in range(2):
         env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
@@ -102,10 +115,7 @@ def _launch_two_ranks(tmp_path, name: str, timeout_s: int) -> list[subprocess.Po
         procs.append(
             subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
-    metrics = tmp_path / name / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (metrics.exists() and '"round"' in metrics.read_text()):
-        time.sleep(0.2)
+    _wait_for_round(tmp_path / name / "metrics.jsonl", procs)
     return procs
 
 
@@ -210,3 +220,66 @@ def test_ddp_meets_once_per_inner_step(tmp_path):
         tmp_path, "ddp", [*BASE, "method=ddp", "workers=2", "sync_every=4", "total_tokens=1024"]
     )
     assert rounds and all(r == [4, 4] for r in rounds)
+
+
+# -- stop signals under torchrun -------------------------------------------------------------------------------------
+
+STOPPABLE = [*DILOCO, "workers=2", "total_tokens=8192", "checkpoint.every=1000"]
+
+
+def test_sigterm_to_torchrun_stops_both_ranks_at_one_boundary_and_the_resume_is_bit_identical(tmp_path):
+    """torchrun passes SIGTERM to its workers; they stop at the same round end, rank 0 checkpoints, and a
+    resume gives the bits of a run never stopped (one that checkpointed every round on the time cadence)."""
+    timed = ["checkpoint.every_minutes=1e-9", "checkpoint.keep=1000"]
+    _torchrun(2, [*STOPPABLE, *timed, f"run.root={tmp_path}", "run.name=reference"], cwd=tmp_path)
+    reference = tmp_path / "reference"
+    rounds = [r for r in read_metrics(reference / "metrics.jsonl") if r["kind"] == "round"]
+    assert len(list_checkpoints(reference / "checkpoints")) == len(rounds)  # both ranks agreed on every one
+
+    args = [*STOPPABLE, f"run.root={tmp_path}", "run.name=stopped"]
+    job = subprocess.Popen(
+        _torchrun_command(2, args), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    _wait_for_round(tmp_path / "stopped" / "metrics.jsonl", [job])
+    job.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    _, err = job.communicate(timeout=120)
+    assert time.monotonic() - signalled < 25, err[-2000:]  # within torchrun's 30 s grace: no rank was left waiting
+    assert "forcefully exiting" not in err
+    checkpoints = list_checkpoints(tmp_path / "stopped" / "checkpoints")
+    assert len(checkpoints) == 1, err[-2000:]
+    run_dir = tmp_path / "stopped"
+    stopped_lines = [line for line in err.splitlines() if "adloco: stopped on SIGTERM" in line]
+    assert stopped_lines == [
+        f"adloco: stopped on SIGTERM: checkpoint of round {int(checkpoints[0].stem.split('_')[1]) + 1} in "
+        f"{run_dir}; resume with: adloco train --resume {run_dir}"
+    ]  # one line for the job, from rank 0
+    assert 0 < int(checkpoints[0].stem.split("_")[1]) + 1 < len(rounds)
+    _torchrun(2, ["--resume", str(run_dir)], cwd=tmp_path)
+    assert same_params(final_params(reference), final_params(run_dir))
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        ["method=diloco"],
+        ["method=ddp"],  # one report per inner step: the request rides in each
+        ["method=adloco", "trainers=2", "workers=1", "merge.every=100", "batch.b_cap=4"],  # one trainer per rank
+    ],
+)
+def test_a_signal_to_one_rank_stops_both_at_the_same_round(tmp_path, method):
+    procs = _launch_two_ranks(tmp_path, "usr1", timeout_s=20, method=method)
+    try:
+        assert all(p.poll() is None for p in procs), "the job ended before the signal"
+        procs[1].send_signal(signal.SIGUSR1)
+        outputs = [p.communicate(timeout=120)[1] for p in procs]
+        assert [p.returncode for p in procs] == [128 + signal.SIGUSR1] * 2, outputs
+        assert "adloco: rank 1: SIGUSR1 received; stopping at a round's end" in outputs[1]
+        assert outputs[0].strip().splitlines()[-1].startswith("adloco: stopped on SIGUSR1: checkpoint of round ")
+        assert "adloco: stopped" not in outputs[1]  # rank 0 speaks for the job
+        assert len(list_checkpoints(tmp_path / "usr1" / "checkpoints")) == 1
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)

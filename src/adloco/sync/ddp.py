@@ -45,7 +45,10 @@ class DDPSync(SyncStrategy):
     def _step_report(state: RoundState, worker_id: int, step: int) -> WorkerRound:
         local = state.local[worker_id]
         return WorkerRound(
-            steps=[local.steps[step]], statistics=local.statistics if step == 0 else None, b_max=local.b_max
+            steps=[local.steps[step]],
+            statistics=local.statistics if step == 0 else None,
+            b_max=local.b_max,
+            request=local.request,
         )
 
     def end_of_round(self, state: RoundState) -> None:

@@ -10,7 +10,8 @@ import torch
 from adloco.algorithms.batch_tests import GradientStatistics
 
 _STAT_FIELDS = ("samples", "grad_norm_sq", "sample_variance", "ip_variance", "orth_variance")
-_HEAD = 2 + len(_STAT_FIELDS)  # out flag, b_max, statistics
+_FLAGS = 4  # out, b_max, stop signal, checkpoint asked
+_HEAD = _FLAGS + len(_STAT_FIELDS)
 _PER_STEP = 3  # loss, tokens, finite
 
 
@@ -26,15 +27,26 @@ class StepRecord:
 SKIPPED_STEP = StepRecord(loss=math.nan, tokens=0, finite=False)  # a worker out of the round reads nothing
 
 
+@dataclass(frozen=True)
+class BoundaryRequest:
+    """What a rank asks of the coming round boundary: stop there (the signal's number, 0 for none), or write a
+    checkpoint there (its time cadence is due). Requests ride in the round's reports, so every rank sees every
+    rank's request in the same round and all act at the same boundary without an exchange of their own."""
+
+    stop_signal: int = 0
+    checkpoint: bool = False
+
+
 @dataclass
 class WorkerRound:
     """One worker's round. ``out``: it hit a non-finite value and sat out the rest of the round (every method
-    but DDP), so it contributes nothing to the round's exchange."""
+    but DDP), so it contributes nothing to the round's exchange. ``request``: its rank's request of the boundary."""
 
     steps: list[StepRecord] = field(default_factory=list)
     statistics: GradientStatistics | None = None
     b_max: int = 0
     out: bool = False
+    request: BoundaryRequest = BoundaryRequest()
 
     @property
     def failed(self) -> bool:
@@ -43,7 +55,7 @@ class WorkerRound:
     def to_tensor(self) -> torch.Tensor:
         """A flat float64 vector (exact for every field) that rides in the round's exchange."""
         stats = self.statistics
-        head = [float(self.out), float(self.b_max)]
+        head = [float(self.out), float(self.b_max), float(self.request.stop_signal), float(self.request.checkpoint)]
         head += [
             math.nan if stats is None or getattr(stats, f) is None else float(getattr(stats, f)) for f in _STAT_FIELDS
         ]
@@ -55,7 +67,7 @@ class WorkerRound:
         values = packed.tolist()
         if len(values) < _HEAD or (len(values) - _HEAD) % _PER_STEP:
             raise ValueError(f"a worker's round report has {len(values)} values, which no report layout has")
-        stats = dict(zip(_STAT_FIELDS, values[2:_HEAD], strict=True))
+        stats = dict(zip(_STAT_FIELDS, values[_FLAGS:_HEAD], strict=True))
         statistics = None
         if not math.isnan(stats["samples"]):
             statistics = GradientStatistics(
@@ -65,13 +77,15 @@ class WorkerRound:
             StepRecord(loss=values[i], tokens=int(values[i + 1]), finite=bool(values[i + 2]))
             for i in range(_HEAD, len(values), _PER_STEP)
         ]
-        return cls(steps=steps, statistics=statistics, b_max=int(values[1]), out=bool(values[0]))
+        request = BoundaryRequest(stop_signal=int(values[2]), checkpoint=bool(values[3]))
+        return cls(steps=steps, statistics=statistics, b_max=int(values[1]), out=bool(values[0]), request=request)
 
     def merge_step(self, step: WorkerRound) -> None:
         """Append a one-step report (DDP learns every worker's step as it happens)."""
         self.steps.extend(step.steps)
         self.statistics = self.statistics or step.statistics
         self.b_max = step.b_max
+        self.request = joined([self.request, step.request])
 
 
 @dataclass
@@ -92,8 +106,26 @@ class RoundState:
         """Hosted workers out of the round after a non-finite loss or gradient."""
         return {w for w, r in self.local.items() if r.out}
 
+    def stamp(self, request: BoundaryRequest) -> None:
+        """Put this rank's request (as it stands now) on its hosted workers' reports."""
+        for record in self.local.values():
+            record.request = joined([record.request, request])
+
+    def boundary_request(self) -> BoundaryRequest:
+        """What the ranks asked of this boundary, from every worker's report: the same on every rank."""
+        return joined([r.request for r in self.reports.values()])
+
     def local_tensors(self, worker_ids: list[int]) -> dict[int, torch.Tensor]:
         return {w: self.local[w].to_tensor() for w in worker_ids if w in self.local}
 
     def learn(self, packed: dict[int, torch.Tensor]) -> None:
         self.reports.update({w: WorkerRound.from_tensor(t) for w, t in packed.items()})
+
+
+def joined(requests: list[BoundaryRequest]) -> BoundaryRequest:
+    """Requests taken together: a stop if any rank asks one (the highest signal number names it, so every rank
+    names the same), a checkpoint if any rank's time cadence is due."""
+    return BoundaryRequest(
+        stop_signal=max((r.stop_signal for r in requests), default=0),
+        checkpoint=any(r.checkpoint for r in requests),
+    )

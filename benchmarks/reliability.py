@@ -428,7 +428,7 @@ def main() -> int:
         trials = kill_trials(args.trials, args.seed, work / "kill") if args.trials else []
     summary = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "command": "python benchmarks/reliability.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python benchmarks/reliability.py", *sys.argv[1:]]),
         "adloco": adloco.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),

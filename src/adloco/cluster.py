@@ -13,6 +13,7 @@ import torch
 from adloco.algorithms.batch_tests import BatchSizeController, average_statistics
 from adloco.algorithms.fragments import assign_fragments
 from adloco.algorithms.merge import merge_weights, merged_batch_size, select_merge_group, weighted_average
+from adloco.algorithms.schedules import LR_EXPONENTS, BatchCoupling
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
@@ -182,6 +183,12 @@ class Cluster:
             nesterov=bool(config.outer.nesterov),
             controller=controller,
             fragments=fragments,
+            coupling=BatchCoupling(
+                b_start=batch.size,
+                lr_exponent=LR_EXPONENTS[batch.lr_scaling],
+                lr_cap=batch.lr_scale_max,
+                scale_beta2=batch.beta2_scaling,
+            ),
         )
 
     def _worker(self, worker_id: int, template: torch.nn.Module) -> Worker:
@@ -227,6 +234,9 @@ class Cluster:
         # The plan (samples per step) is fixed for the round: every rank counts the same budget without asking.
         samples = {w: self.worker_plan(w, self.owner(w).batch_size).samples for w in self.workers}
         planned_tokens = self.tokens_per_step()
+        lr_scale = {w: self.owner(w).lr_scale for w in self.workers}  # b_req holds still through a round
+        for trainer in self.trainers.values():
+            trainer.couple_inner_optimizers(self.workers)
         for step in range(steps):
             lr = lr_at(step)
             self._compute(state, step, samples)
@@ -234,7 +244,7 @@ class Cluster:
             stepping = self.sync.after_backward(state, step)
             for worker_id, worker in self.workers.items():
                 if worker_id in stepping:
-                    worker.step(lr)
+                    worker.step(lr * lr_scale[worker_id])
                 else:
                     worker.optimizer.zero_grad(set_to_none=True)
             self.sync.after_inner_step(state, step)

@@ -137,6 +137,17 @@ class BatchConfig(_Section):
     allow_shrink: bool = Field(False, description="Let the test lower b (default: b never decreases).")
     test_every: int = Field(1, ge=1, description="Run the batch test every this many rounds.")
     switch_factor: float = Field(2.0, ge=1, description="Switch mode n: accumulate only when b_req > n·b_max.")
+    lr_scaling: Literal["none", "sqrt", "linear"] = Field(
+        "sqrt",
+        description="When a trainer's b changes, scale its inner lr by (b/batch.size)^α: none α=0, sqrt α=0.5, "
+        "linear α=1 (see docs/batch-size.md).",
+    )
+    lr_scale_max: float = Field(
+        4.0, ge=1, description="The inner lr is scaled by at most this factor (and at least its inverse)."
+    )
+    beta2_scaling: bool = Field(
+        True, description="When b changes, AdamW β2 → β2^(b/batch.size): the same memory in samples."
+    )
     b_max: int | None = Field(
         None,
         ge=1,

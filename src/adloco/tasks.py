@@ -20,7 +20,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from adloco.config import ConfigError, TrainConfig
-from adloco.data import BUNDLED, DataError, Tokenizer, TokenStream, validation_blocks
+from adloco.data import BUNDLED, DataError, Tokenizer, TokenStream, spread, validation_blocks
 from adloco.data.labelled import LabelledRows, LabelledSplit, SampleStream, label_names, read_labelled, split_rows
 from adloco.model import ModelSpec, classification_loss, max_positions, next_token_loss, resolve_model
 
@@ -104,7 +104,7 @@ class Task(ABC):
 
     @abstractmethod
     def evaluate(self, model: torch.nn.Module, theta: Sequence[torch.Tensor], limit: int | None = None) -> Evaluation:
-        """θ on the validation split (its first ``limit`` blocks or rows; all with None)."""
+        """θ on the validation split (``limit`` blocks or rows spread evenly across it; all with None)."""
 
 
 class LanguageModelling(Task):
@@ -163,10 +163,11 @@ class Classification(Task):
         load_theta(model, theta)
         model.eval()
         device = next(model.parameters()).device
-        rows = len(self.val) if limit is None else min(limit, len(self.val))
+        chosen = spread(len(self.val), limit)
+        rows = len(chosen)
         total, correct = 0.0, 0
         for start in range(0, rows, EVAL_BATCH):
-            index = torch.arange(start, min(start + EVAL_BATCH, rows))
+            index = chosen[start : start + EVAL_BATCH]
             ids, mask, labels = (t.to(device) for t in self.val.batch(index))
             logits = model(input_ids=ids, attention_mask=mask).logits.float()
             total += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))

@@ -15,6 +15,7 @@ from adloco.algorithms.batch_tests import (
     statistics_from_gram,
 )
 from adloco.algorithms.outer import OuterOptimizer
+from adloco.algorithms.schedules import BatchCoupling
 from adloco.checkpoint import CheckpointError
 from adloco.comm.base import Communicator
 from adloco.worker import Worker
@@ -34,6 +35,7 @@ class Trainer:
         nesterov: bool,
         controller: BatchSizeController,
         fragments: Sequence[Sequence[int]] | None = None,
+        coupling: BatchCoupling | None = None,
     ) -> None:
         self.trainer_id = trainer_id
         self.theta = [t.detach().clone().float() for t in theta]
@@ -48,7 +50,20 @@ class Trainer:
         ]
         self.momentum = outer_momentum
         self.controller = controller
+        self.coupling = coupling or BatchCoupling(b_start=batch_size)
         self.last_decision: BatchDecision | None = None
+
+    @property
+    def lr_scale(self) -> float:
+        """The factor on its workers' inner lr at the current batch size."""
+        return self.coupling.lr_scale(self.batch_size)
+
+    def couple_inner_optimizers(self, workers: Mapping[int, Worker]) -> None:
+        """Give the hosted workers' AdamW the β2 of the current batch size."""
+        for worker_id in self.worker_ids:
+            if worker_id in workers:
+                worker = workers[worker_id]
+                worker.set_beta2(self.coupling.beta2(worker.beta2, self.batch_size))
 
     def broadcast(self, workers: Mapping[int, Worker]) -> None:
         """Overwrite the hosted workers' parameters with θ (their AdamW state is kept)."""

@@ -62,7 +62,12 @@ class Worker:
             eps=inner.eps,
             foreach=False,
         )
+        self.beta2 = inner.beta2  # the configured one; a trainer's batch coupling derives the one in use
         self.last_gradient: torch.Tensor | None = None
+
+    def set_beta2(self, beta2: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["betas"] = (group["betas"][0], beta2)
 
     @torch.no_grad()
     def load_params(self, theta: Sequence[torch.Tensor]) -> None:

@@ -61,6 +61,13 @@ def test_validation_blocks_cover_the_split_without_overlap():
     assert torch.equal(blocks[:, 1:].reshape(-1), torch.arange(1, 101))
 
 
+def test_a_limited_evaluation_reads_blocks_spread_over_the_whole_split():
+    tokens = torch.arange(1001)
+    blocks = validation_blocks(tokens, 10, limit=4)  # 100 blocks, 4 of them
+    assert blocks[:, 0].tolist() == [0, 250, 500, 750]
+    assert torch.equal(validation_blocks(tokens, 10, limit=1000), validation_blocks(tokens, 10))
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

@@ -1,9 +1,13 @@
-"""Schedules: the inner learning rate (linear warm-up, then cosine decay over training progress) and the
-streaming fragments' sync steps. Plain integer and float math, so that config validation needs no torch."""
+"""Schedules: the inner learning rate (linear warm-up, then cosine decay over training progress), its coupling
+to a trainer's batch size, and the streaming fragments' sync steps. Plain integer and float math, so that
+config validation needs no torch."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+LR_EXPONENTS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
 
 
 def inner_lr(step: int, progress: float, peak: float, floor: float, warmup_steps: int) -> float:
@@ -16,6 +20,32 @@ def inner_lr(step: int, progress: float, peak: float, floor: float, warmup_steps
         return peak * (step + 1) / warmup_steps
     progress = min(max(progress, 0.0), 1.0)
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class BatchCoupling:
+    """The inner optimizer's settings as functions of a trainer's batch b against the batch it started with.
+
+    lr × (b/b_start)^α, kept within [1/lr_cap, lr_cap]: a larger batch buys a larger step, not only a less
+    noisy one (α = 0.5 follows Adam's square-root rule, Malladi et al. 2022; α = 1 is the linear rule of Goyal
+    et al. 2017). β2' = β2^(b/b_start): AdamW's second moment then averages over the same number of samples
+    rather than the same number of steps. Both are exactly the configured values at b = b_start.
+    """
+
+    b_start: int
+    lr_exponent: float = 0.0
+    lr_cap: float = 1.0
+    scale_beta2: bool = False
+
+    def lr_scale(self, b: int) -> float:
+        if b == self.b_start or self.lr_exponent == 0.0:
+            return 1.0
+        return min(max((b / self.b_start) ** self.lr_exponent, 1.0 / self.lr_cap), self.lr_cap)
+
+    def beta2(self, beta2: float, b: int) -> float:
+        if b == self.b_start or not self.scale_beta2:
+            return beta2
+        return beta2 ** (b / self.b_start)
 
 
 def validate_schedule(sync_every: int, fragments: int, overlap: int) -> None:

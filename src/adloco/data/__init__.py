@@ -16,7 +16,7 @@ from adloco.data.sources import (
     resolve_source,
     source_from_config,
 )
-from adloco.data.streams import PackedStream, TokenStream, validation_blocks
+from adloco.data.streams import PackedStream, TokenStream, spread, validation_blocks
 from adloco.data.tokenization import (
     DESCRIPTION_FILE,
     SAVED_DIR,
@@ -60,5 +60,6 @@ __all__ = [
     "split_text",
     "train_bpe",
     "training_texts",
+    "spread",
     "validation_blocks",
 ]

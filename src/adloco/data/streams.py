@@ -158,10 +158,15 @@ class PackedStream:
         self._documents = None  # reopened at ``document`` on the next read
 
 
+def spread(count: int, limit: int | None) -> torch.Tensor:
+    """Indices of ``limit`` of ``count`` items drawn evenly across all of them (all with None or enough)."""
+    if limit is None or limit >= count:
+        return torch.arange(count)
+    return torch.arange(limit) * count // limit
+
+
 def validation_blocks(tokens: torch.Tensor, context: int, limit: int | None = None) -> torch.Tensor:
-    """Non-overlapping windows of ``context + 1`` tokens covering the validation split (first ``limit``)."""
-    count = (len(tokens) - 1) // context
-    if limit is not None:
-        count = min(count, limit)
-    starts = torch.arange(count) * context
+    """Non-overlapping windows of ``context + 1`` tokens over the validation split; with ``limit``, that many
+    spread evenly across it, so a periodic evaluation estimates the same loss as the full one at the end."""
+    starts = spread((len(tokens) - 1) // context, limit) * context
     return tokens[starts[:, None] + torch.arange(context + 1)]

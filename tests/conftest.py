@@ -16,6 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(tempfile.gettempdir(), "adloco-test-datasets-cache"))
 
 # A run small enough for the test suite: tiny LLaMA at context 16, two workers, a few rounds.
+# The time-aware controller's costs, pinned: its decisions then follow the statistics only and reproduce exactly
+# (in one process and across ranks, before and after a resume); the budget bound is relaxed for tiny budgets.
+PINNED_PACE = ["batch.step_seconds=[0.01,0.001]", "batch.round_seconds=0.05", "batch.min_steps_left=1"]
+
 FAST = [
     "model.context=16",
     "workers=2",

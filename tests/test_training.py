@@ -5,7 +5,7 @@ from adloco.checkpoint import list_checkpoints
 from adloco.config import build_config
 from adloco.metrics import read_metrics
 from adloco.training import train
-from tests.conftest import cut_back, final_params
+from tests.conftest import PINNED_PACE, cut_back, final_params
 
 
 @pytest.mark.parametrize("method", ["ddp", "localsgd", "diloco", "adloco"])
@@ -30,14 +30,14 @@ def test_bytes_counted_from_reduced_tensors(fast_overrides):
     diloco_rounds = [r for r in read_metrics(diloco.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     ddp_rounds = [r for r in read_metrics(ddp.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     # 2 workers each send one fp32 pseudo-gradient per round with their round report in the same collective
-    # (float64: out flag, b_max, stop signal, checkpoint request, 5 statistics, then loss, tokens and health of
-    # each step) and, once at start-up, every worker's b_max (one float64 each)
-    report_bytes = 2 * 8 * (9 + 3 * diloco_rounds[0]["steps"])
+    # (float64: out flag, b_max, stop signal, checkpoint request, step and overhead seconds, 5 statistics, then
+    # loss, tokens and health of each step) and, once at start-up, every worker's b_max (one float64 each)
+    report_bytes = 2 * 8 * (11 + 3 * diloco_rounds[0]["steps"])
     assert diloco_rounds[0]["bytes"] == 2 * 4 * params + report_bytes + 2 * 8
     assert [r["exchanges"] for r in diloco_rounds] == [2] + [1] * (len(diloco_rounds) - 1)  # + the handshake
     # DDP sends a full gradient from every worker at every step, each with a one-step report, and no Δ
     assert ddp_rounds[0]["steps"] == diloco_rounds[0]["steps"]
-    assert ddp_rounds[0]["bytes"] == ddp_rounds[0]["steps"] * (2 * 4 * params + 2 * 8 * (9 + 3)) + 2 * 8
+    assert ddp_rounds[0]["bytes"] == ddp_rounds[0]["steps"] * (2 * 4 * params + 2 * 8 * (11 + 3)) + 2 * 8
     assert [r["exchanges"] for r in ddp_rounds][1:] == [r["steps"] for r in ddp_rounds][1:]
 
 
@@ -61,7 +61,8 @@ def test_same_seed_same_numbers_and_other_seed_differs(fast_overrides):
     "method",
     [
         ["method=diloco"],
-        ["method=adloco", "trainers=2", "workers=1", "merge.every=3", "batch.b_cap=4", "total_tokens=2048"],
+        ["method=adloco", "trainers=2", "workers=1", "merge.every=3", "batch.b_cap=4", "total_tokens=2048"]
+        + PINNED_PACE,
     ],
 )
 def test_resume_from_a_mid_run_checkpoint_is_bit_identical(method, fast_overrides, tmp_path):
@@ -96,6 +97,7 @@ def test_adloco_grows_batches_and_merges_down_to_one_trainer(fast_overrides):
     overrides = [
         *fast_overrides,
         "method=adloco",
+        "batch.controller=test",
         "workers=1",
         "batch.b_cap=8",
         "merge.every=1",
@@ -117,6 +119,30 @@ def test_adloco_grows_batches_and_merges_down_to_one_trainer(fast_overrides):
     decisions = [d for r in rounds if r["batch_test"] for d in r["batch_test"].values()]
     assert decisions and all("sample_variance" in d and "b_req" in d for d in decisions)
     assert all(r["plan"] for r in rounds)
+
+
+def test_the_time_aware_controller_grows_b_towards_the_fastest_batch_at_most_2x_per_decision(fast_overrides):
+    overrides = [*fast_overrides, "method=adloco", "trainers=1", "workers=2", "batch.size=1", "batch.b_cap=64"]
+    result = train(build_config(overrides=[*overrides, *PINNED_PACE, "sync_every=2", "total_tokens=6144"]))
+    rounds = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    sizes = [r["batch"]["0"] for r in rounds]
+    assert sizes[-1] > sizes[0] == 1  # the pinned costs make b = 1 far from the fastest batch
+    assert all(b <= 2 * a for a, b in zip(sizes, sizes[1:], strict=False))  # at most 2x per decision
+    timed = [r["batch_test"]["0"]["timed"] for r in rounds]
+    assert all(t["step_seconds"] == pytest.approx(0.01 + 0.001 * t["b_req"]) for t in timed)
+    assert all(t["round_seconds"] == 0.05 and t["target"] <= t["limit"] for t in timed)
+    assert timed[-1]["limit"] < timed[0]["limit"]  # the end of the budget bounds the growth
+    # patience 2: b moves only after two decisions in a row asked for more (a record holds b after its round)
+    assert sizes[:2] == [1, 2]
+
+
+def test_measured_costs_feed_the_time_aware_controller(fast_overrides):
+    overrides = [*fast_overrides, "method=adloco", "trainers=1", "workers=2", "batch.min_steps_left=1"]
+    result = train(build_config(overrides=[*overrides, "sync_every=2", "total_tokens=2048"]))
+    rounds = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    timed = [r["batch_test"]["0"]["timed"] for r in rounds]
+    assert all(t["step_seconds"] > 0 and t["round_seconds"] >= 0 for t in timed)
+    assert timed[0]["round_seconds"] == 0 < timed[-1]["round_seconds"]  # learnt from the rounds' overhead
 
 
 @pytest.mark.parametrize(

@@ -5,18 +5,21 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from adloco.algorithms.batch_tests import BatchSizeController, average_statistics
+from adloco.algorithms.controller import StepCost, TimeAwareController
 from adloco.algorithms.fragments import assign_fragments
 from adloco.algorithms.merge import merge_weights, merged_batch_size, select_merge_group, weighted_average
 from adloco.algorithms.schedules import LR_EXPONENTS, BatchCoupling
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
+from adloco.pace import CostModel, Pace, time_steps, timed_batches
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
 from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build_strategy
 from adloco.sync.rounds import SKIPPED_STEP, BoundaryRequest
@@ -139,6 +142,21 @@ class Cluster:
         # plan the same token budget; an out-of-memory retry lowers it and the round's reports spread the news.
         shared = comm.gather_worker_scalars({w: [float(b_max)] for w in self.workers})
         self.b_max = {w: int(v[0]) for w, v in shared.items()}
+        self.costs = self._cost_model(template) if config.batch.controller == "time" else None
+        self.overhead_seconds = math.nan  # this rank's last round: wall time not spent computing steps
+
+    def _cost_model(self, template: torch.nn.Module) -> CostModel:
+        """Step costs timed on this rank's device (or pinned in the config), shared so every rank has all."""
+        batch = self.config.batch
+        if batch.step_seconds is not None:
+            pinned = StepCost(*batch.step_seconds)
+            return CostModel(dict.fromkeys(self.worker_rank, pinned), False, batch.round_seconds)
+        worker_id = min(self.workers)
+        step_at = training_step_at(self.workers[worker_id].model, self.context, self.task.vocab_size, self.task)
+        top = min(batch.b_cap, self.b_max[worker_id])
+        cost = time_steps(step_at, timed_batches(min(batch.size, top), top))
+        shared = self.comm.gather_worker_scalars({w: [cost.overhead, cost.per_sample] for w in self.workers})
+        return CostModel({w: StepCost(*v) for w, v in shared.items()}, True, batch.round_seconds)
 
     def _build(self, layout: dict[int, list[int]]) -> tuple[torch.nn.Module, int]:
         """Trainers from their initial models, and the worker slots this rank hosts."""
@@ -183,6 +201,15 @@ class Cluster:
             nesterov=bool(config.outer.nesterov),
             controller=controller,
             fragments=fragments,
+            timed=TimeAwareController(
+                b_min=batch.b_min,
+                b_cap=batch.b_cap,
+                patience=batch.patience,
+                max_growth=batch.max_growth,
+                allow_shrink=batch.allow_shrink,
+            )
+            if batch.controller == "time"
+            else None,
             coupling=BatchCoupling(
                 b_start=batch.size,
                 lr_exponent=LR_EXPONENTS[batch.lr_scaling],
@@ -225,14 +252,18 @@ class Cluster:
         on_step: Callable[[StepProgress], None] | None = None,
         first_step: int = 0,
         ask: Callable[[], BoundaryRequest] = BoundaryRequest,
+        tokens_left: int | None = None,
     ) -> RoundReport:
         """H inner steps on every hosted worker, with the strategy's exchanges where it wants them, then the
         round boundary: outer steps, batch decisions and, where ranks host different trainers, their state.
-        ``ask`` says what this rank wants of the boundary; it is read before each report leaves the rank."""
+        ``ask`` says what this rank wants of the boundary; it is read before each report leaves the rank.
+        ``tokens_left`` (the budget after this round) bounds how far a time-aware controller grows b."""
+        started = time.perf_counter()
         state = RoundState(round_index, steps, first_step, self.statistics_due(round_index))
         state.local = {w: WorkerRound(b_max=self.b_max[w]) for w in self.workers}
         # The plan (samples per step) is fixed for the round: every rank counts the same budget without asking.
-        samples = {w: self.worker_plan(w, self.owner(w).batch_size).samples for w in self.workers}
+        round_samples = self._samples_per_step()
+        samples = {w: round_samples[w] for w in self.workers}
         planned_tokens = self.tokens_per_step()
         lr_scale = {w: self.owner(w).lr_scale for w in self.workers}  # b_req holds still through a round
         for trainer in self.trainers.values():
@@ -244,19 +275,25 @@ class Cluster:
             stepping = self.sync.after_backward(state, step)
             for worker_id, worker in self.workers.items():
                 if worker_id in stepping:
+                    begun = time.perf_counter()
                     worker.step(lr * lr_scale[worker_id])
+                    state.compute_seconds[worker_id] += time.perf_counter() - begun
                 else:
                     worker.optimizer.zero_grad(set_to_none=True)
             self.sync.after_inner_step(state, step)
             if on_step is not None:
                 on_step(StepProgress(step=step, lr=lr, loss=_local_loss(state, step), tokens=planned_tokens))
         state.stamp(ask())
+        state.stamp_seconds(self.overhead_seconds)
         self.sync.end_of_round(state)
         for worker_id in state.out:
             self.workers[worker_id].reset_optimizer()  # restarts from θ with fresh AdamW moments
-        self._decide_batches(state)
+        self._decide_batches(state, tokens_left)
         self.synchronize(state)
+        if self.costs is not None:  # after synchronize every rank holds every report: the same costs everywhere
+            self.costs.learn(state.reports, round_samples)
         self.b_max.update({w: r.b_max for w, r in state.reports.items()})
+        self.overhead_seconds = max(0.0, time.perf_counter() - started - sum(state.compute_seconds.values()))
         return self._report(state)
 
     def _compute(self, state: RoundState, step: int, samples: dict[int, int]) -> None:
@@ -268,6 +305,7 @@ class Cluster:
             if record.out:
                 record.steps.append(SKIPPED_STEP)
                 continue
+            begun = time.perf_counter()
             result: StepResult = self.workers[worker_id].compute_gradients(
                 samples[worker_id],
                 self.b_max[worker_id],
@@ -277,11 +315,12 @@ class Cluster:
             )
             if result.b_max < self.b_max[worker_id]:
                 self.b_max[worker_id] = record.b_max = result.b_max
+            state.compute_seconds[worker_id] += time.perf_counter() - begun
             record.steps.append(StepRecord(loss=result.loss, tokens=result.tokens, finite=result.finite))
             if result.statistics is not None and result.finite:
                 record.statistics = result.statistics
 
-    def _decide_batches(self, state: RoundState) -> None:
+    def _decide_batches(self, state: RoundState, tokens_left: int | None = None) -> None:
         """The batch test of each trainer this rank takes part in, from the statistics in the round's reports."""
         if not state.statistics_due:
             return
@@ -295,7 +334,21 @@ class Cluster:
                 continue
             else:
                 statistics = average_statistics([r.statistics for r in reports if r.statistics is not None])
-            trainer.decide_batch(statistics)
+            trainer.decide_batch(statistics, self._pace(trainer, tokens_left))
+
+    def _samples_per_step(self) -> dict[int, int]:
+        return {w: self.worker_plan(w, t.batch_size).samples for t in self.trainers.values() for w in t.worker_ids}
+
+    def _pace(self, trainer: Trainer, tokens_left: int | None) -> Pace | None:
+        """The costs a time-aware decision weighs; b grows only while the budget holds batch.min_steps_left steps."""
+        if self.costs is None:
+            return None
+        limit = None
+        if tokens_left is not None:
+            limit = tokens_left // (self.config.batch.min_steps_left * self.context * self.config.total_workers)
+        assert self.config.sync_every is not None
+        cost = self.costs.trainer_cost(trainer.worker_ids)
+        return Pace(cost, self.costs.round_seconds, self.config.sync_every, limit)
 
     def _report(self, state: RoundState) -> RoundReport:
         """The round in numbers, from every worker's report (so every rank writes the same)."""
@@ -319,9 +372,7 @@ class Cluster:
             if any(not any(state.reports[w].steps[s].finite for w in t.worker_ids) for s in range(state.steps))
         ]
         if state.statistics_due:
-            report.batch = {
-                k: t.last_decision.to_dict() for k, t in self.trainers.items() if t.last_decision is not None
-            }
+            report.batch = {k: record for k, t in self.trainers.items() if (record := t.decision_record()) is not None}
         return report
 
     def flush(self) -> None:
@@ -408,6 +459,7 @@ class Cluster:
             "trainers": {k: t.state_dict() for k, t in self.trainers.items()},
             "workers": {w: state for part in gathered for w, state in part.items()},
             "pending": self.sync.state_dict(),
+            **({"costs": self.costs.state_dict()} if self.costs is not None else {}),
         }
 
     def _worker_state(self, worker_id: int) -> dict:
@@ -429,6 +481,8 @@ class Cluster:
             self.sync.load_worker_state(w, state["workers"][w])
         self.b_max.update({int(w): int(s["b_max"]) for w, s in state["workers"].items() if "b_max" in s})
         self.sync.load_state_dict(state.get("pending", {}))
+        if self.costs is not None and "costs" in state:
+            self.costs.load_state_dict(state["costs"])
 
 
 def parameter_fragments(config: TrainConfig, names: list[str]) -> list[list[int]] | None:

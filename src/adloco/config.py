@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 from pathlib import Path
@@ -124,6 +125,34 @@ class BatchConfig(_Section):
     test: Literal["constant", "norm", "inner_product"] | None = Field(
         None, description="Batch-size test; default 'norm' for adloco, 'constant' otherwise."
     )
+    controller: Literal["time", "test"] | None = Field(
+        None,
+        description="How b changes: 'time' picks the batch that reaches a loss soonest on the measured step and "
+        "round times (default for adloco); 'test' follows batch.test (default otherwise). See docs/batch-size.md.",
+    )
+    patience: int = Field(
+        2, ge=1, description="controller=time: decisions in a row that point the same way before b moves."
+    )
+    max_growth: float = Field(2.0, gt=1, description="controller=time: b grows at most this factor per decision.")
+    min_steps_left: int = Field(
+        50, ge=1, description="controller=time: b grows only while the remaining budget holds this many inner steps."
+    )
+    step_seconds: tuple[float, float] | None = Field(
+        None,
+        description="controller=time: pin one worker's step time t(b) = a + c·b as [a, c] seconds (same on every "
+        "rank; decisions then reproduce exactly with batch.round_seconds); null: time it and follow the real steps.",
+    )
+    round_seconds: float | None = Field(
+        None, ge=0, description="controller=time: pin a round's exchange and waiting time; null: measure it."
+    )
+
+    @field_validator("step_seconds")
+    @classmethod
+    def _positive_cost(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and (min(value) < 0 or max(value) <= 0 or not all(map(math.isfinite, value))):
+            raise ValueError("give [a, c] with a, c >= 0, finite, and not both 0")
+        return value
+
     estimator: Literal["microbatch", "cross_worker"] = Field(
         "microbatch", description="Gradient-variance estimator for the batch test."
     )
@@ -347,9 +376,11 @@ class TrainConfig(BaseModel):
             self.outer.nesterov = False
         if self.batch.test is None:
             self.batch.test = defaults["test"]
+        if self.batch.controller is None:
+            self.batch.controller = "time" if self.method == "adloco" else "test"
         if self.merge.policy is None:
             self.merge.policy = defaults["merge"] if self.trainers > 1 else "off"
-        if self.method == "ddp" and self.batch.test != "constant":
+        if self.method == "ddp" and (self.batch.test != "constant" or self.batch.controller != "test"):
             raise ValueError("batch.test: ddp runs with a constant batch")
         streaming = self.streaming
         if self.method == "streaming":

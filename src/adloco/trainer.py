@@ -5,6 +5,7 @@ How θ is updated (when, from which exchange) is the sync strategy's business (`
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,11 +15,15 @@ from adloco.algorithms.batch_tests import (
     GradientStatistics,
     statistics_from_gram,
 )
+from adloco.algorithms.controller import TimeAwareController, TimedDecision, noise_scale
 from adloco.algorithms.outer import OuterOptimizer
 from adloco.algorithms.schedules import BatchCoupling
 from adloco.checkpoint import CheckpointError
 from adloco.comm.base import Communicator
 from adloco.worker import Worker
+
+if TYPE_CHECKING:
+    from adloco.pace import Pace
 
 
 class Trainer:
@@ -36,6 +41,7 @@ class Trainer:
         controller: BatchSizeController,
         fragments: Sequence[Sequence[int]] | None = None,
         coupling: BatchCoupling | None = None,
+        timed: TimeAwareController | None = None,
     ) -> None:
         self.trainer_id = trainer_id
         self.theta = [t.detach().clone().float() for t in theta]
@@ -51,7 +57,9 @@ class Trainer:
         self.momentum = outer_momentum
         self.controller = controller
         self.coupling = coupling or BatchCoupling(b_start=batch_size)
+        self.timed = timed  # the time-aware controller; None: the batch test decides
         self.last_decision: BatchDecision | None = None
+        self.last_timed: TimedDecision | None = None
 
     @property
     def lr_scale(self) -> float:
@@ -102,11 +110,28 @@ class Trainer:
         stacked = torch.stack([g[0] for g in gathered]).double()
         return statistics_from_gram(stacked @ stacked.T, [self.batch_size] * len(self.worker_ids))
 
-    def decide_batch(self, statistics: GradientStatistics) -> BatchDecision:
+    def decide_batch(self, statistics: GradientStatistics, pace: Pace | None = None) -> BatchDecision:
+        """The next b: the batch test's, or (time-aware) the fastest batch from the test's smoothed statistics."""
         decision = self.controller.decide(statistics, len(self.worker_ids), self.batch_size)
-        self.batch_size = decision.b_req
         self.last_decision = decision
+        if self.timed is None or pace is None:
+            self.batch_size = decision.b_req
+            return decision
+        noise = noise_scale(decision.sample_variance, decision.grad_norm_sq)
+        timed = self.timed.decide(
+            noise, len(self.worker_ids), self.batch_size, pace.cost, pace.round_seconds, pace.sync_every, pace.limit
+        )
+        self.batch_size, self.last_timed = timed.b_req, timed
         return decision
+
+    def decision_record(self) -> dict | None:
+        """The last decision for the metrics log."""
+        if self.last_decision is None:
+            return None
+        record = self.last_decision.to_dict()
+        if self.last_timed is not None:
+            record.update(b_req=self.last_timed.b_req, timed=self.last_timed.to_dict())
+        return record
 
     def sync_metadata(self) -> dict:
         """What other ranks need besides θ and momentum to mirror this trainer."""
@@ -114,7 +139,9 @@ class Trainer:
             "batch_size": self.batch_size,
             "worker_ids": list(self.worker_ids),
             "controller": self.controller.state_dict(),
+            "timed": None if self.timed is None else self.timed.state_dict(),
             "last_decision": self.last_decision,
+            "last_timed": self.last_timed,
             "has_momentum": any(b is not None for b in self.momentum_buffers()),
         }
 
@@ -122,7 +149,9 @@ class Trainer:
         self.batch_size = meta["batch_size"]
         self.worker_ids = list(meta["worker_ids"])
         self.controller.load_state_dict(meta["controller"])
-        self.last_decision = meta["last_decision"]
+        if self.timed is not None:
+            self.timed.load_state_dict(meta["timed"])
+        self.last_decision, self.last_timed = meta["last_decision"], meta["last_timed"]
 
     def state_dict(self) -> dict:
         return {
@@ -132,6 +161,7 @@ class Trainer:
             "batch_size": self.batch_size,
             "outer": [outer.state_dict() for outer in self.outers],
             "controller": self.controller.state_dict(),
+            **({"timed": self.timed.state_dict()} if self.timed is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -146,3 +176,5 @@ class Trainer:
         for outer, saved in zip(self.outers, state["outer"], strict=True):
             outer.load_state_dict(saved)
         self.controller.load_state_dict(state["controller"])
+        if self.timed is not None and "timed" in state:
+            self.timed.load_state_dict(state["timed"])

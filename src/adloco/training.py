@@ -474,6 +474,7 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
                 lambda step, plan=plan: _show_step(run, plan, step, display),
                 first_step=plan.first_step,
                 ask=lambda: BoundaryRequest(stop_signal=stop.requested or 0, checkpoint=_checkpoint_time_due(run)),
+                tokens_left=config.total_tokens - plan.tokens_before - plan.steps * plan.per_step,
             )
             _finish_round(run, plan, report)
             if report.request.stop_signal and run.counters["tokens"] < config.total_tokens:

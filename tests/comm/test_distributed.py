@@ -14,7 +14,7 @@ from adloco.checkpoint import list_checkpoints
 from adloco.config import build_config
 from adloco.metrics import read_metrics
 from adloco.training import train
-from tests.conftest import cut_back, final_params, same_params
+from tests.conftest import PINNED_PACE, cut_back, final_params, same_params
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
@@ -29,7 +29,7 @@ BASE = [
     "threads=1",  # the same kernels in every process, so bits can be compared
 ]
 DILOCO = [*BASE, "method=diloco", "workers=4", "sync_every=4", "total_tokens=1024"]
-ADLOCO = [*BASE, "method=adloco", "batch.b_cap=8", "sync_every=3", "merge.every=1", "total_tokens=4608"]
+ADLOCO = [*BASE, "method=adloco", "batch.b_cap=8", "sync_every=3", "merge.every=1", "total_tokens=4608", *PINNED_PACE]
 
 
 def _free_port() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from adloco.algorithms.batch_tests import GradientStatistics
 
 _STAT_FIELDS = ("samples", "grad_norm_sq", "sample_variance", "ip_variance", "orth_variance")
-_FLAGS = 4  # out, b_max, stop signal, checkpoint asked
+_FLAGS = 6  # out, b_max, stop signal, checkpoint asked, seconds per step, the rank's previous round overhead
 _HEAD = _FLAGS + len(_STAT_FIELDS)
 _PER_STEP = 3  # loss, tokens, finite
 
@@ -47,6 +48,8 @@ class WorkerRound:
     b_max: int = 0
     out: bool = False
     request: BoundaryRequest = BoundaryRequest()
+    step_seconds: float = math.nan  # this worker's mean compute time per inner step in the round
+    overhead_seconds: float = math.nan  # its rank's previous round: wall time not spent computing steps
 
     @property
     def failed(self) -> bool:
@@ -56,6 +59,7 @@ class WorkerRound:
         """A flat float64 vector (exact for every field) that rides in the round's exchange."""
         stats = self.statistics
         head = [float(self.out), float(self.b_max), float(self.request.stop_signal), float(self.request.checkpoint)]
+        head += [self.step_seconds, self.overhead_seconds]
         head += [
             math.nan if stats is None or getattr(stats, f) is None else float(getattr(stats, f)) for f in _STAT_FIELDS
         ]
@@ -78,7 +82,15 @@ class WorkerRound:
             for i in range(_HEAD, len(values), _PER_STEP)
         ]
         request = BoundaryRequest(stop_signal=int(values[2]), checkpoint=bool(values[3]))
-        return cls(steps=steps, statistics=statistics, b_max=int(values[1]), out=bool(values[0]), request=request)
+        return cls(
+            steps=steps,
+            statistics=statistics,
+            b_max=int(values[1]),
+            out=bool(values[0]),
+            request=request,
+            step_seconds=values[4],
+            overhead_seconds=values[5],
+        )
 
     def merge_step(self, step: WorkerRound) -> None:
         """Append a one-step report (DDP learns every worker's step as it happens)."""
@@ -86,6 +98,7 @@ class WorkerRound:
         self.statistics = self.statistics or step.statistics
         self.b_max = step.b_max
         self.request = joined([self.request, step.request])
+        self.step_seconds, self.overhead_seconds = step.step_seconds, step.overhead_seconds
 
 
 @dataclass
@@ -100,6 +113,7 @@ class RoundState:
     local: dict[int, WorkerRound] = field(default_factory=dict)
     reports: dict[int, WorkerRound] = field(default_factory=dict)
     skipped: set[int] = field(default_factory=set)
+    compute_seconds: defaultdict[int, float] = field(default_factory=lambda: defaultdict(float))
 
     @property
     def out(self) -> set[int]:
@@ -110,6 +124,12 @@ class RoundState:
         """Put this rank's request (as it stands now) on its hosted workers' reports."""
         for record in self.local.values():
             record.request = joined([record.request, request])
+
+    def stamp_seconds(self, overhead_seconds: float) -> None:
+        """Put the round's measured seconds per step and the rank's last overhead on the hosted reports."""
+        for worker_id, record in self.local.items():
+            record.step_seconds = self.compute_seconds[worker_id] / max(self.steps, 1)
+            record.overhead_seconds = overhead_seconds
 
     def boundary_request(self) -> BoundaryRequest:
         """What the ranks asked of this boundary, from every worker's report: the same on every rank."""

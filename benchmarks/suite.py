@@ -30,9 +30,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 IMAGES = ROOT / "docs" / "images" / "benchmarks"
 
 ONE_THREAD = ["threads=1"]
-# AdLoCo's switch mode only acts when b_req exceeds b_max; these runs cap b_max so that it does.
-SWITCH = ["batch.b_max=16"]
-GENTLE = ["trainers=1", "workers=4", "batch.eta=2.5", "batch.ema=0.5"]
+# AdLoCo's switch mode only acts when b_req exceeds b_max; these runs cap b_max so that it does. The ablations
+# and sensitivity runs study the norm test (the default before the time-aware controller), so they ask for it.
+SWITCH = ["batch.controller=test", "batch.b_max=16"]
+GENTLE = ["batch.controller=test", "trainers=1", "workers=4", "batch.eta=2.5", "batch.ema=0.5"]
 
 EXPERIMENTS: dict[str, dict[str, list[str]]] = {
     "anchor": {

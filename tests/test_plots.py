@@ -10,7 +10,7 @@ from adloco.plots import plot_run
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _write(run_dir, merges: bool, memory: bool, cuda: bool = False) -> None:
+def _write(run_dir, merges: bool, memory: bool, cuda: bool = False, lr_scale: bool = False) -> None:
     lines = []
     for r in range(6):
         record = {
@@ -23,6 +23,8 @@ def _write(run_dir, merges: bool, memory: bool, cuda: bool = False) -> None:
             "val_loss": {"0": 5.0 - 0.25 * r} if r % 2 else None,
             "batch": {"0": 2 + r, "1": 3} if r < 3 else {"0": 6},
         }
+        if lr_scale:
+            record["lr_scale"] = {k: (b / 2) ** 0.5 for k, b in record["batch"].items()}
         if memory:
             record["memory"] = [
                 {"rank": k, "rss_mib": 300.0 + 10 * r + k, "peak_rss_mib": 320.0 + 10 * r} for k in (0, 1)
@@ -57,6 +59,16 @@ def test_cuda_memory_gets_its_own_panel(tmp_path):
     cpu = Image.open(plot_run(tmp_path / "cpu")[2])
     gpu = Image.open(plot_run(tmp_path / "gpu")[2])
     assert gpu.size[0] > cpu.size[0] * 1.5  # two panels side by side
+
+
+def test_the_inner_lr_factor_is_drawn_beside_b_when_recorded(tmp_path):
+    _write(tmp_path / "plain", merges=True, memory=False)
+    _write(tmp_path / "coupled", merges=True, memory=False, lr_scale=True)
+    from PIL import Image
+
+    plain = Image.open(plot_run(tmp_path / "plain")[1])
+    coupled = Image.open(plot_run(tmp_path / "coupled")[1])
+    assert coupled.size[0] > plain.size[0] * 1.5  # b and the lr factor side by side
 
 
 def test_a_run_without_merges_or_memory_still_plots(tmp_path):

@@ -1,4 +1,5 @@
-"""PNG plots of a run from its metrics.jsonl: loss vs tokens, rounds and bytes with merges; b per trainer; memory."""
+"""PNG plots of a run from its metrics.jsonl: loss vs tokens, rounds and bytes with merges; b and the inner lr
+factor per trainer; memory."""
 
 from __future__ import annotations
 
@@ -67,7 +68,6 @@ def plot_run(run_dir: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
@@ -75,9 +75,29 @@ def plot_run(run_dir: Path) -> list[Path]:
     records = read_metrics(path)
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)
-    written = []
-    val, train = _series(records, "val_loss"), _series(records, "train_loss")
     merges = _merge_points(records)
+    written = [_plot_loss(records, merges, run_dir.name, out_dir / "loss.png")]
+    written.append(_plot_batch(records, merges, out_dir / "batch.png"))
+    memory = _memory_series(records)
+    if memory:
+        written.append(_plot_memory(memory, merges, run_dir.name, out_dir / "memory.png"))
+    return written
+
+
+def _mark_merges(axis: Any, merges: list, column: int, labels: bool = True) -> None:
+    for position, text in merges:
+        axis.axvline(position[column], color="grey", ls=":", lw=1)
+        if labels:
+            axis.annotate(
+                text, (position[column], 1), xycoords=("data", "axes fraction"), fontsize=7, rotation=90, va="top"
+            )
+
+
+def _plot_loss(records: list[dict], merges: list, name: str, path: Path) -> Path:
+    """Training and validation loss per trainer against tokens, rounds and bytes."""
+    import matplotlib.pyplot as plt
+
+    val, train = _series(records, "val_loss"), _series(records, "train_loss")
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for axis, column, (_, label) in zip(axes, (0, 1, 2), _AXES, strict=True):
         for trainer, points in sorted(train.items()):
@@ -88,54 +108,58 @@ def plot_run(run_dir: Path) -> list[Path]:
             axis.plot(
                 [p[column] for p in points], [p[3] for p in points], marker="o", ms=3, label=f"val, trainer {trainer}"
             )
-        for position, text in merges:
-            axis.axvline(position[column], color="grey", ls=":", lw=1)
-            axis.annotate(
-                text, (position[column], 1), xycoords=("data", "axes fraction"), fontsize=7, rotation=90, va="top"
-            )
+        _mark_merges(axis, merges, column)
         axis.set_xlabel(label)
         axis.set_ylabel("loss (nats per token)")
         axis.grid(alpha=0.3)
     axes[2].set_xscale("log")
     if train or val:
         axes[0].legend(fontsize=7)
-    figure.suptitle(f"{run_dir.name}: loss" + (" (dotted: merges, merged → kept trainer)" if merges else ""))
-    written.append(_save(figure, out_dir / "loss.png"))
+    figure.suptitle(f"{name}: loss" + (" (dotted: merges, merged → kept trainer)" if merges else ""))
+    return _save(figure, path)
 
-    batch = _series(records, "batch")
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for trainer, points in sorted(batch.items()):
-        axis.step([p[1] for p in points], [p[3] for p in points], where="post", label=f"trainer {trainer}")
-    for position, text in merges:
-        axis.axvline(position[1], color="grey", ls=":", lw=1)
-        axis.annotate(text, (position[1], 1), xycoords=("data", "axes fraction"), fontsize=7, rotation=90, va="top")
-    axis.set_xlabel("round")
-    axis.set_ylabel("per-worker batch b")
-    axis.set_title("batch size per trainer (dotted: merges)")
-    axis.grid(alpha=0.3)
-    if batch:
-        axis.legend(fontsize=8)
-    written.append(_save(figure, out_dir / "batch.png"))
 
-    memory = _memory_series(records)
-    if memory:
-        cuda = any(field.startswith("cuda") for _, field in memory)
-        figure, axes = plt.subplots(1, 2 if cuda else 1, figsize=(13 if cuda else 7, 4), squeeze=False)
-        panels = [("process memory (RSS) per rank", ("rss_mib", "peak_rss_mib"))]
-        if cuda:
-            panels.append(("CUDA memory per rank", ("cuda_allocated_mib", "cuda_peak_allocated_mib")))
-        for axis, (title, fields) in zip(axes[0], panels, strict=True):
-            for (rank, field), points in sorted(memory.items()):
-                if field in fields:
-                    style = "--" if "peak" in field else "-"
-                    axis.plot([p[0] for p in points], [p[1] for p in points], style, label=f"rank {rank}: {field}")
-            for position, _ in merges:
-                axis.axvline(position[1], color="grey", ls=":", lw=1)
-            axis.set_xlabel("round")
-            axis.set_ylabel("MiB")
-            axis.set_title(title)
-            axis.grid(alpha=0.3)
-            axis.legend(fontsize=7)
-        figure.suptitle(f"{run_dir.name}: memory (dashed: peak)")
-        written.append(_save(figure, out_dir / "memory.png"))
-    return written
+def _plot_batch(records: list[dict], merges: list, path: Path) -> Path:
+    """b per trainer over the rounds and, where recorded, the factor on its inner lr that follows b."""
+    import matplotlib.pyplot as plt
+
+    panels = [("per-worker batch b", "batch size per trainer (dotted: merges)", _series(records, "batch"))]
+    lr_scale = _series(records, "lr_scale")
+    if lr_scale:
+        panels.append(("inner lr factor", "inner lr × (b / batch.size)^α per trainer", lr_scale))
+    figure, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
+    for axis, (ylabel, title, series) in zip(axes[0], panels, strict=True):
+        for trainer, points in sorted(series.items()):
+            axis.step([p[1] for p in points], [p[3] for p in points], where="post", label=f"trainer {trainer}")
+        _mark_merges(axis, merges, 1)
+        axis.set_xlabel("round")
+        axis.set_ylabel(ylabel)
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        if series:
+            axis.legend(fontsize=8)
+    return _save(figure, path)
+
+
+def _plot_memory(memory: dict, merges: list, name: str, path: Path) -> Path:
+    """Process memory per rank, and CUDA memory beside it where recorded (dashed: peaks)."""
+    import matplotlib.pyplot as plt
+
+    cuda = any(field.startswith("cuda") for _, field in memory)
+    figure, axes = plt.subplots(1, 2 if cuda else 1, figsize=(13 if cuda else 7, 4), squeeze=False)
+    panels = [("process memory (RSS) per rank", ("rss_mib", "peak_rss_mib"))]
+    if cuda:
+        panels.append(("CUDA memory per rank", ("cuda_allocated_mib", "cuda_peak_allocated_mib")))
+    for axis, (title, fields) in zip(axes[0], panels, strict=True):
+        for (rank, field), points in sorted(memory.items()):
+            if field in fields:
+                style = "--" if "peak" in field else "-"
+                axis.plot([p[0] for p in points], [p[1] for p in points], style, label=f"rank {rank}: {field}")
+        _mark_merges(axis, merges, 1, labels=False)
+        axis.set_xlabel("round")
+        axis.set_ylabel("MiB")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.suptitle(f"{name}: memory (dashed: peak)")
+    return _save(figure, path)

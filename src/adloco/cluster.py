@@ -236,10 +236,13 @@ class Cluster:
         """Each trainer's switch-mode plan for its current b_req (on its first worker's device)."""
         return {k: self.worker_plan(t.worker_ids[0], t.batch_size) for k, t in self.trainers.items()}
 
+    def samples_per_step(self) -> dict[int, int]:
+        """Samples each worker (of every trainer) reads per inner step, following its switch-mode plan."""
+        return {w: self.worker_plan(w, t.batch_size).samples for t in self.trainers.values() for w in t.worker_ids}
+
     def tokens_per_step(self) -> int:
-        """Tokens one inner step reads over all workers, following each worker's switch-mode plan."""
-        samples = sum(self.worker_plan(w, t.batch_size).samples for t in self.trainers.values() for w in t.worker_ids)
-        return samples * self.context
+        """Tokens one inner step reads over all workers."""
+        return sum(self.samples_per_step().values()) * self.context
 
     def statistics_due(self, round_index: int) -> bool:
         return self.collect_statistics and round_index % self.config.batch.test_every == 0
@@ -262,7 +265,7 @@ class Cluster:
         state = RoundState(round_index, steps, first_step, self.statistics_due(round_index))
         state.local = {w: WorkerRound(b_max=self.b_max[w]) for w in self.workers}
         # The plan (samples per step) is fixed for the round: every rank counts the same budget without asking.
-        round_samples = self._samples_per_step()
+        round_samples = self.samples_per_step()
         samples = {w: round_samples[w] for w in self.workers}
         planned_tokens = self.tokens_per_step()
         lr_scale = {w: self.owner(w).lr_scale for w in self.workers}  # b_req holds still through a round
@@ -335,9 +338,6 @@ class Cluster:
             else:
                 statistics = average_statistics([r.statistics for r in reports if r.statistics is not None])
             trainer.decide_batch(statistics, self._pace(trainer, tokens_left))
-
-    def _samples_per_step(self) -> dict[int, int]:
-        return {w: self.worker_plan(w, t.batch_size).samples for t in self.trainers.values() for w in t.worker_ids}
 
     def _pace(self, trainer: Trainer, tokens_left: int | None) -> Pace | None:
         """The costs a time-aware decision weighs; b grows only while the budget holds batch.min_steps_left steps."""

@@ -1,6 +1,6 @@
 """What a slow rank costs a fast one: rank 0's time per round with rank 1 at full speed and held to part of a core.
 
-    python benchmarks/slow_rank.py --write            # DDP, DiLoCo and streaming, rank 1 at 100% and 40% (~6 min)
+    python benchmarks/slow_rank.py --write            # every method, rank 1 at 100% and 40% (~8 min)
     python benchmarks/slow_rank.py --fractions 1,0.25 --methods diloco
 
 Two ranks on loopback, each pinned to its own core with ``taskset``; rank 1 runs inside a CPU cgroup whose quota
@@ -38,6 +38,7 @@ PERIOD_US = 100_000
 METHODS = {
     "ddp": ["method=ddp"],
     "diloco": ["method=diloco"],
+    "diloco-speed-shares": ["method=diloco", "batch.shares=speed"],
     "streaming": ["method=streaming", "streaming.fragments=2"],
 }
 
@@ -117,13 +118,18 @@ class Loopback:
         return pin if group is None else ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group), *pin]
 
 
-def round_figures(records: Sequence[dict[str, Any]], skip: int = 1) -> dict[str, float]:
-    """Medians over rounds (the first ``skip`` left out: warm-up) of rank 0's round time and its waits."""
+def round_figures(records: Sequence[dict[str, Any]], skip: int = 1) -> dict[str, Any]:
+    """Medians over rounds (the first ``skip`` left out: warm-up) of rank 0's round time and its waits; the
+    whole run's training time and final loss; each worker's samples per step in the last round."""
     rounds = [r for r in records if r.get("kind") == "round"][skip:]
-    if not rounds:
-        raise LinkError("the run wrote no round record after the warm-up")
+    final = [r for r in records if r.get("kind") == "final"]
+    if not rounds or not final:
+        raise LinkError("the run wrote no round record after the warm-up, or no final record")
     own = [r["ranks"][0] for r in rounds]
     return {
+        "train_seconds": final[-1]["seconds"],
+        "final_val_loss": min(final[-1]["val_loss"].values()),
+        "samples": rounds[-1].get("samples"),
         "rounds": len(rounds),
         "steps_per_round": statistics.median(r["steps"] for r in rounds),
         "round_seconds": statistics.median(r["round_seconds"] for r in rounds),
@@ -166,21 +172,25 @@ def markdown(report: dict[str, Any]) -> str:
         f"Python {v['python']}; {report['machine']}. Two ranks on loopback, one thread each, each pinned to its "
         f"own core; H = {report['sync_every']}; medians over rounds after the first.",
         "",
-        "| method | rank 1's CPU | rank 0's s per round | of which waiting | exchanges per round | wait per exchange |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| method | rank 1's CPU | rank 0's s per round | of which waiting | exchanges per round | wait per exchange "
+        "| samples per step (rank 0, rank 1) | training s | final val loss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in report["rows"]:
         per_exchange = row["wait_seconds"] / row["exchanges"] if row["exchanges"] else 0.0
+        samples = row.get("samples")
+        split = "equal" if not samples else ", ".join(str(samples[k]) for k in sorted(samples, key=int))
         lines.append(
             f"| {row['method']} | {row['fraction']:.0%} of a core | {row['round_seconds']:.2f} "
-            f"| {row['wait_seconds']:.2f} s | {row['exchanges']:g} | {per_exchange * 1e3:.0f} ms |"
+            f"| {row['wait_seconds']:.2f} s | {row['exchanges']:g} | {per_exchange * 1e3:.0f} ms "
+            f"| {split} | {row['train_seconds']:.1f} | {row['final_val_loss']:.4f} |"
         )
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default="ddp,diloco,streaming", help="comma-separated, of " + ",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of " + ",".join(METHODS))
     parser.add_argument("--fractions", default="1,0.4", help="rank 1's share of a core, e.g. 1,0.4 (1 = not held)")
     parser.add_argument("--tokens", type=int, default=48_000, help="training tokens per run (default 48000)")
     parser.add_argument("--sync-every", type=int, default=10, help="inner steps per round, H (default 10)")

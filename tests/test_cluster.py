@@ -44,3 +44,48 @@ def test_the_coupling_can_be_turned_off():
     cluster.run_round(0, 1, lambda step: 1e-3)
     (worker,) = cluster.workers.values()
     assert [(g["lr"], g["betas"]) for g in worker.optimizer.param_groups] == [(1e-3, (0.9, 0.99))] * 2
+
+
+SLOW_SECOND = ["batch.shares=speed", "batch.step_seconds=[[0.0,0.01],[0.0,0.03]]", "batch.size=4"]
+
+
+def _theta_after_one_round(cluster: Cluster) -> tuple[list[torch.Tensor], dict[int, list[torch.Tensor]]]:
+    """θ after one round of one step, and each worker's parameters just before the round's exchange."""
+    before_exchange = {}
+    end_of_round = cluster.sync.end_of_round
+
+    def snapshot_then_exchange(state):
+        before_exchange.update({w: [p.detach().clone() for p in wk.params] for w, wk in cluster.workers.items()})
+        end_of_round(state)
+
+    cluster.sync.end_of_round = snapshot_then_exchange
+    cluster.run_round(0, 1, lambda step: 1e-3)
+    (trainer,) = cluster.trainers.values()
+    return trainer.theta, before_exchange
+
+
+def test_speed_shares_give_the_faster_worker_more_samples_and_weigh_its_delta_by_them():
+    # LocalSGD's outer step is θ ← θ − mean Δ, so θ becomes the sample-weighted mean of the workers.
+    cluster = _cluster(["method=localsgd", "workers=2", *SLOW_SECOND])
+    assert cluster.samples_per_step() == {0: 6, 1: 2}  # 8 samples, split 3:1 by speed
+    theta, workers = _theta_after_one_round(cluster)
+    for i, t in enumerate(theta):
+        expected = (6 * workers[0][i] + 2 * workers[1][i]) / 8
+        torch.testing.assert_close(t, expected, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(theta[0], (workers[0][0] + workers[1][0]) / 2)
+
+
+def test_equal_shares_keep_the_plain_mean():
+    cluster = _cluster(["method=localsgd", "workers=2", *SLOW_SECOND, "batch.shares=equal"])
+    assert cluster.samples_per_step() == {0: 4, 1: 4}
+    theta, workers = _theta_after_one_round(cluster)
+    torch.testing.assert_close(theta[0], (workers[0][0] + workers[1][0]) / 2, rtol=1e-5, atol=1e-7)
+
+
+def test_the_time_controller_prices_a_balanced_trainer_at_its_common_step_time():
+    cluster = _cluster(["method=adloco", "trainers=1", "workers=2", "batch.round_seconds=0.5", *SLOW_SECOND])
+    (trainer,) = cluster.trainers.values()
+    pace = cluster._pace(trainer, None)
+    assert pace is not None and pace.cost.per_sample == pytest.approx(2 / (1 / 0.01 + 1 / 0.03))
+    equal = _cluster(["method=adloco", "trainers=1", "workers=2", "batch.round_seconds=0.5", *SLOW_SECOND[1:]])
+    assert equal._pace(next(iter(equal.trainers.values())), None).cost.per_sample == pytest.approx(0.03)

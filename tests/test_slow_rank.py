@@ -19,11 +19,17 @@ def _round(index, seconds, wait, exchanges):
 
 def test_round_figures_are_rank_zeros_medians_after_the_warm_up_round():
     records = [_round(0, 9.0, 5.0, 3), _round(1, 2.0, 1.0, 1), _round(2, 2.2, 1.2, 1), _round(3, 4.0, 3.0, 1)]
-    figures = slow_rank.round_figures([{"kind": "step"}, *records])
+    records[-1]["samples"] = {"0": 4, "1": 2}
+    final = {"kind": "final", "seconds": 17.5, "val_loss": {"0": 2.5}}
+    figures = slow_rank.round_figures([{"kind": "step"}, *records, final])
     assert figures["rounds"] == 3 and figures["round_seconds"] == 2.2 and figures["wait_seconds"] == 1.2
     assert figures["exchanges"] == 1 and figures["steps_per_round"] == 10
-    with pytest.raises(slow_rank.LinkError, match="no round record"):
-        slow_rank.round_figures(records[:1])
+    assert figures["train_seconds"] == 17.5 and figures["final_val_loss"] == 2.5
+    assert figures["samples"] == {"0": 4, "1": 2}
+    with pytest.raises(slow_rank.LinkError, match="no round record after the warm-up, or no final"):
+        slow_rank.round_figures([*records[:1], final])
+    with pytest.raises(slow_rank.LinkError, match="no final record"):
+        slow_rank.round_figures(records)
 
 
 def test_each_rank_is_pinned_and_only_the_slow_one_joins_the_group(tmp_path):
@@ -36,11 +42,15 @@ def test_each_rank_is_pinned_and_only_the_slow_one_joins_the_group(tmp_path):
     assert placement.addresses == ("127.0.0.1", "127.0.0.1") and placement.interfaces == ("lo", "lo")
 
 
-def test_the_table_shows_the_wait_per_exchange(tmp_path):
-    row = {"method": "ddp", "fraction": 0.4, "round_seconds": 2.0, "wait_seconds": 1.0, "exchanges": 10}
-    report = {"date": "d", "command": "c", "machine": "m", "sync_every": 10, "rows": [row],
+def test_the_table_shows_the_wait_per_exchange_the_split_and_the_loss(tmp_path):
+    row = {"method": "ddp", "fraction": 0.4, "round_seconds": 2.0, "wait_seconds": 1.0, "exchanges": 10,
+           "samples": None, "train_seconds": 30.04, "final_val_loss": 2.71828}  # fmt: skip
+    shared = {**row, "method": "diloco-speed-shares", "exchanges": 1, "samples": {"1": 2, "0": 4}}
+    report = {"date": "d", "command": "c", "machine": "m", "sync_every": 10, "rows": [row, shared],
               "versions": {"adloco": "a", "torch": "t", "python": "p"}}  # fmt: skip
-    assert "| ddp | 40% of a core | 2.00 | 1.00 s | 10 | 100 ms |" in slow_rank.markdown(report)
+    table = slow_rank.markdown(report)
+    assert "| ddp | 40% of a core | 2.00 | 1.00 s | 10 | 100 ms | equal | 30.0 | 2.7183 |" in table
+    assert "| diloco-speed-shares | 40% of a core | 2.00 | 1.00 s | 1 | 1000 ms | 4, 2 | 30.0 | 2.7183 |" in table
 
 
 _UNAVAILABLE = slow_rank.unavailable()

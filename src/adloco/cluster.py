@@ -6,7 +6,7 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +16,7 @@ from adloco.algorithms.controller import StepCost, TimeAwareController
 from adloco.algorithms.fragments import assign_fragments
 from adloco.algorithms.merge import merge_weights, merged_batch_size, select_merge_group, weighted_average
 from adloco.algorithms.schedules import LR_EXPONENTS, BatchCoupling
+from adloco.algorithms.shares import balanced_split, sample_weights
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
@@ -142,15 +143,18 @@ class Cluster:
         # plan the same token budget; an out-of-memory retry lowers it and the round's reports spread the news.
         shared = comm.gather_worker_scalars({w: [float(b_max)] for w in self.workers})
         self.b_max = {w: int(v[0]) for w, v in shared.items()}
-        self.costs = self._cost_model(template) if config.batch.controller == "time" else None
+        timed = config.batch.controller == "time" or config.batch.shares == "speed"
+        self.costs = self._cost_model(template) if timed else None
         self.overhead_seconds = math.nan  # this rank's last round: wall time not spent computing steps
 
     def _cost_model(self, template: torch.nn.Module) -> CostModel:
         """Step costs timed on this rank's device (or pinned in the config), shared so every rank has all."""
         batch = self.config.batch
+        if isinstance(batch.step_seconds, list):
+            pinned = {w: StepCost(*batch.step_seconds[w]) for w in self.worker_rank}
+            return CostModel(pinned, False, batch.round_seconds)
         if batch.step_seconds is not None:
-            pinned = StepCost(*batch.step_seconds)
-            return CostModel(dict.fromkeys(self.worker_rank, pinned), False, batch.round_seconds)
+            return CostModel(dict.fromkeys(self.worker_rank, StepCost(*batch.step_seconds)), False, batch.round_seconds)
         worker_id = min(self.workers)
         step_at = training_step_at(self.workers[worker_id].model, self.context, self.task.vocab_size, self.task)
         top = min(batch.b_cap, self.b_max[worker_id])
@@ -236,9 +240,28 @@ class Cluster:
         """Each trainer's switch-mode plan for its current b_req (on its first worker's device)."""
         return {k: self.worker_plan(t.worker_ids[0], t.batch_size) for k, t in self.trainers.items()}
 
+    def shares(self, trainer: Trainer) -> dict[int, int]:
+        """Each worker's part of the trainer's M·b_req samples per step: b_req each, or in proportion to speed.
+        Every rank holds the same costs (pinned, or corrected from the same reports), so all split alike."""
+        if self.config.batch.shares == "equal" or len(trainer.worker_ids) == 1:
+            return dict.fromkeys(trainer.worker_ids, trainer.batch_size)
+        assert self.costs is not None
+        costs = [self.costs.worker_cost(w) for w in trainer.worker_ids]
+        split = balanced_split(trainer.batch_size * len(trainer.worker_ids), costs)
+        return dict(zip(trainer.worker_ids, split, strict=True))
+
     def samples_per_step(self) -> dict[int, int]:
         """Samples each worker (of every trainer) reads per inner step, following its switch-mode plan."""
-        return {w: self.worker_plan(w, t.batch_size).samples for t in self.trainers.values() for w in t.worker_ids}
+        return {
+            w: self.worker_plan(w, share).samples for t in self.trainers.values() for w, share in self.shares(t).items()
+        }
+
+    def sample_weights(self, samples: Mapping[int, int]) -> dict[int, float]:
+        """Each worker's weight in its trainer's mean pseudo-gradient: its samples over the trainer's mean."""
+        weights = {}
+        for t in self.trainers.values():
+            weights.update(zip(t.worker_ids, sample_weights([samples[w] for w in t.worker_ids]), strict=True))
+        return weights
 
     def tokens_per_step(self) -> int:
         """Tokens one inner step reads over all workers."""
@@ -267,6 +290,7 @@ class Cluster:
         # The plan (samples per step) is fixed for the round: every rank counts the same budget without asking.
         round_samples = self.samples_per_step()
         samples = {w: round_samples[w] for w in self.workers}
+        state.weights = self.sample_weights(round_samples)
         planned_tokens = self.tokens_per_step()
         lr_scale = {w: self.owner(w).lr_scale for w in self.workers}  # b_req holds still through a round
         for trainer in self.trainers.values():
@@ -341,13 +365,13 @@ class Cluster:
 
     def _pace(self, trainer: Trainer, tokens_left: int | None) -> Pace | None:
         """The costs a time-aware decision weighs; b grows only while the budget holds batch.min_steps_left steps."""
-        if self.costs is None:
+        if self.costs is None or self.config.batch.controller != "time":
             return None
         limit = None
         if tokens_left is not None:
             limit = tokens_left // (self.config.batch.min_steps_left * self.context * self.config.total_workers)
         assert self.config.sync_every is not None
-        cost = self.costs.trainer_cost(trainer.worker_ids)
+        cost = self.costs.trainer_cost(trainer.worker_ids, balanced=self.config.batch.shares == "speed")
         return Pace(cost, self.costs.round_seconds, self.config.sync_every, limit)
 
     def _report(self, state: RoundState) -> RoundReport:

@@ -120,6 +120,9 @@ class OuterConfig(_Section):
     )
 
 
+StepSeconds = tuple[float, float] | list[tuple[float, float]]  # one [a, c] for every worker, or one per worker
+
+
 class BatchConfig(_Section):
     size: int = Field(3, ge=1, description="Per-worker batch b (samples per inner step) at the start.")
     test: Literal["constant", "norm", "inner_product"] | None = Field(
@@ -137,10 +140,16 @@ class BatchConfig(_Section):
     min_steps_left: int = Field(
         50, ge=1, description="controller=time: b grows only while the remaining budget holds this many inner steps."
     )
-    step_seconds: tuple[float, float] | None = Field(
+    step_seconds: StepSeconds | None = Field(
         None,
-        description="controller=time: pin one worker's step time t(b) = a + c·b as [a, c] seconds (same on every "
-        "rank; decisions then reproduce exactly with batch.round_seconds); null: time it and follow the real steps.",
+        description="controller=time or shares=speed: pin a worker's step time t(b) = a + c·b as [a, c] seconds, "
+        "one pair for all workers or a list with one per worker (decisions and shares then reproduce exactly, with "
+        "batch.round_seconds); null: time it and follow the real steps.",
+    )
+    shares: Literal["equal", "speed"] = Field(
+        "equal",
+        description="How a trainer's M·b samples per step are split over its workers: 'equal' (b each) or 'speed' "
+        "(in proportion to each worker's measured speed, pseudo-gradients averaged with sample weights).",
     )
     round_seconds: float | None = Field(
         None, ge=0, description="controller=time: pin a round's exchange and waiting time; null: measure it."
@@ -148,9 +157,13 @@ class BatchConfig(_Section):
 
     @field_validator("step_seconds")
     @classmethod
-    def _positive_cost(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
-        if value is not None and (min(value) < 0 or max(value) <= 0 or not all(map(math.isfinite, value))):
-            raise ValueError("give [a, c] with a, c >= 0, finite, and not both 0")
+    def _positive_cost(cls, value: StepSeconds | None) -> StepSeconds | None:
+        pairs = [] if value is None else value if isinstance(value, list) else [value]
+        if isinstance(value, list) and not value:
+            raise ValueError("give [a, c] or a list of [a, c] pairs, one per worker")
+        for a, c in pairs:
+            if min(a, c) < 0 or max(a, c) <= 0 or not (math.isfinite(a) and math.isfinite(c)):
+                raise ValueError("give [a, c] with a, c >= 0, finite, and not both 0")
         return value
 
     estimator: Literal["microbatch", "cross_worker"] = Field(
@@ -398,6 +411,7 @@ class TrainConfig(BaseModel):
                 f"outer.overlap: {self.outer.overlap} overlaps whole-model DiLoCo rounds (method=diloco or "
                 f"localsgd); streaming overlaps fragments with streaming.overlap"
             )
+        self._check_shares()
         if self.method == "ddp" and self.codec.name != "none":
             raise ValueError("codec.name: ddp exchanges gradients every step; codecs apply to pseudo-gradients")
         if self.batch.b_min > self.batch.b_cap:
@@ -406,6 +420,16 @@ class TrainConfig(BaseModel):
             raise ValueError(f"inner.min_lr ({self.inner.min_lr}) is larger than inner.lr ({self.inner.lr})")
         _check_float32(self)
         return self
+
+    def _check_shares(self) -> None:
+        batch = self.batch
+        if batch.shares == "speed" and self.method == "ddp":
+            raise ValueError("batch.shares: ddp averages gradients every step; shares apply to DiLoCo-family methods")
+        if isinstance(batch.step_seconds, list) and len(batch.step_seconds) != self.total_workers:
+            raise ValueError(
+                f"batch.step_seconds: {len(batch.step_seconds)} pairs for {self.total_workers} workers; "
+                "give one [a, c] for all or one per worker"
+            )
 
     def _resolve_model(self) -> None:
         model = self.model

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from adloco.algorithms.controller import StepCost, fit_step_cost
+from adloco.algorithms.shares import balanced_cost
 from adloco.sync.rounds import WorkerRound
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,16 @@ class CostModel:
         if self.pinned_round is None and overheads:
             self.round_seconds = (1 - FOLLOW) * self.round_seconds + FOLLOW * max(overheads)
 
-    def trainer_cost(self, worker_ids: Iterable[int]) -> StepCost:
-        """The slowest of the trainer's workers gates its rounds: the upper envelope of their costs."""
-        costs = [self.base[w].scaled(self.factor[w]) for w in worker_ids]
+    def worker_cost(self, worker_id: int) -> StepCost:
+        """One worker's step cost as the real steps have corrected it."""
+        return self.base[worker_id].scaled(self.factor[worker_id])
+
+    def trainer_cost(self, worker_ids: Iterable[int], balanced: bool = False) -> StepCost:
+        """The trainer's step time at per-worker b. With equal shares the slowest worker gates its rounds (the
+        upper envelope of their costs); with ``balanced`` shares every worker takes the same time."""
+        costs = [self.worker_cost(w) for w in worker_ids]
+        if balanced:
+            return balanced_cost(costs)
         return StepCost(max(c.overhead for c in costs), max(c.per_sample for c in costs))
 
     def state_dict(self) -> dict:

@@ -445,6 +445,7 @@ class _RoundPlan:
     per_step: int
     plans: dict
     started: float
+    samples: dict[int, int] = field(default_factory=dict)  # each worker's samples per step in the round
 
     def lr_at(self, config: TrainConfig, step: int) -> float:
         fraction = (self.tokens_before + step * self.per_step) / config.total_tokens
@@ -593,6 +594,7 @@ def _plan_round(run: _Run) -> _RoundPlan:
         per_step=per_step,
         plans=plans,
         started=time.perf_counter(),
+        samples=cluster.samples_per_step(),
     )
 
 
@@ -778,6 +780,7 @@ def _round_record(
             k: {"micro": p.micro, "accum": p.accum, "samples": p.samples, "mode": p.mode} for k, p in plan.plans.items()
         },
         workers={k: len(t.worker_ids) for k, t in cluster.trainers.items()},
+        **({"samples": plan.samples} if run.config.batch.shares == "speed" else {}),
         merge=merge.to_dict() if merge else None,
         peak_sync_bytes=cluster.peak_sync_bytes,
         failed_workers=report.failed,

@@ -27,7 +27,7 @@ def test_the_mean_is_over_the_workers_not_out():
     slots = {0: _Slot(-1.0), 1: _Slot(-2.0), 2: _Slot(float("nan"))}  # worker 2 went non-finite
     exchange = DeltaExchange(comm, None, False, [0, 1, 2])
     done = comm.wait(exchange.start(_trainer(), 0, slots, {2}, reports=_reports({2})))
-    assert torch.equal(done.mean[0], torch.full((4,), 1.5)) and done.healthy == 2
+    assert torch.equal(done.mean[0], torch.full((4,), 1.5))
     assert set(done.reports) == {0, 1, 2} and WorkerRound.from_tensor(done.reports[2]).out
     assert comm.stats.exchanges == 1 and comm.stats.bytes_sent > 3 * 4 * 4
 
@@ -40,3 +40,27 @@ def test_a_known_healthy_count_needs_no_reports_and_a_codec_decodes_the_same_mea
     assert torch.equal(comm.wait(plain).mean[0], torch.full((4,), 2.0))
     assert torch.equal(comm.wait(coded).mean[0], torch.full((4,), 2.0))  # 1, 2, 3 are exact in bf16
     assert comm.wait(plain).reports == {}
+
+
+def test_sample_weights_weigh_each_delta_and_the_divisor_counts_only_healthy_weight():
+    comm = LocalCommunicator()
+    slots = {0: _Slot(-1.0), 1: _Slot(-2.0), 2: _Slot(float("nan"))}  # Δ = 1 and 2; worker 2 is out
+    weights = {0: 1.5, 1: 0.5, 2: 1.0}
+    for codec in (None, get_codec("bf16")):
+        exchange = DeltaExchange(comm, codec, False, [0, 1, 2])
+        done = comm.wait(exchange.start(_trainer(), 0, slots, {2}, reports=_reports({2}), weights=weights))
+        assert torch.equal(done.mean[0], torch.full((4,), (1.5 * 1 + 0.5 * 2) / 2.0))
+
+
+def test_unit_weights_give_the_unweighted_mean_bit_for_bit():
+    comm = LocalCommunicator()
+    torch.manual_seed(0)
+    slots = {w: _Slot(0.0) for w in range(3)}
+    for slot in slots.values():
+        slot.params = [torch.randn(4)]
+    plain = comm.wait(DeltaExchange(comm, None, False, [0, 1, 2]).start(_trainer(), 0, slots, set(), healthy=3))
+    ones = dict.fromkeys(range(3), 1.0)
+    unit = comm.wait(
+        DeltaExchange(comm, None, False, [0, 1, 2]).start(_trainer(), 0, slots, set(), healthy=3.0, weights=ones)
+    )
+    assert torch.equal(plain.mean[0], unit.mean[0])

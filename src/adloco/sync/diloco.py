@@ -18,7 +18,12 @@ class DiLoCoSync(DeltaStrategy):
     def end_of_round(self, state: RoundState) -> None:
         started = {
             trainer.trainer_id: self.exchange.start(
-                trainer, 0, self.workers, state.out, reports=state.local_tensors(self.hosted(trainer))
+                trainer,
+                0,
+                self.workers,
+                state.out,
+                reports=state.local_tensors(self.hosted(trainer)),
+                weights=state.weights,
             )
             for trainer in self.taking_part()
         }

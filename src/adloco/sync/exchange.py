@@ -4,6 +4,7 @@ over the workers that were not out of the round."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
@@ -23,18 +24,25 @@ class Exchanged:
     """The mean Δ of one fragment over the healthy workers, and every worker's report that came with it."""
 
     mean: list[torch.Tensor]
-    healthy: int
     reports: dict[int, torch.Tensor]
 
 
-def _healthy(reports: Mapping[int, torch.Tensor]) -> int:
-    """Workers whose report does not say ``out`` (the first value of every report)."""
-    return sum(1 for r in reports.values() if r[0].item() == 0.0)
+def healthy_weight(reports: Mapping[int, torch.Tensor], weights: Mapping[int, float]) -> float:
+    """The summed weight of the workers whose report does not say ``out`` (the first value of every report)."""
+    return math.fsum(weights.get(w, 1.0) for w, r in reports.items() if r[0].item() == 0.0)
 
 
-def _averaged(gathered: Gathered, divisor: int) -> Exchanged:
+def weighted(delta: list[torch.Tensor], weight: float) -> list[torch.Tensor]:
+    """Δ scaled in place by its worker's sample weight; untouched at 1.0 so equal shares keep their bits."""
+    if weight != 1.0:
+        for t in delta:
+            t.mul_(weight)
+    return delta
+
+
+def _averaged(gathered: Gathered, divisor: float) -> Exchanged:
     assert gathered.total is not None
-    return Exchanged(mean=[t.div_(divisor) for t in gathered.total], healthy=divisor, reports=gathered.reports)
+    return Exchanged(mean=[t.div_(divisor) for t in gathered.total], reports=gathered.reports)
 
 
 class DeltaExchange:
@@ -54,30 +62,38 @@ class DeltaExchange:
         workers: Mapping[int, Worker],
         out: Set[int],
         reports: Mapping[int, torch.Tensor] | None = None,
-        healthy: int | None = None,
+        healthy: float | None = None,
         bases: Mapping[int, Sequence[torch.Tensor]] | None = None,
+        weights: Mapping[int, float] | None = None,
     ) -> Future[Exchanged]:
         """Exchange fragment ``index`` of ``trainer``; a hosted worker in ``out`` sends zeros.
 
         Each hosted worker's ``reports`` vector travels in the same collective; its first value says whether
         the worker is out, and the mean is over the others. Without reports the caller already knows the
-        ``healthy`` count. Δ is measured from θ, or from each worker's own starting point in ``bases``.
+        ``healthy`` workers' summed weight. Δ is measured from θ, or from each worker's own starting point in
+        ``bases``. The mean weighs each worker by ``weights`` (its samples over the trainer's mean; 1.0 each
+        when absent).
         """
+        weights = weights or {}
         if (reports is None) == (healthy is None):
             raise ValueError("an exchange needs either the workers' reports or the healthy count")
         fragment = trainer.fragments[index]
         theta = [trainer.theta[i] for i in fragment]
         local = {}
         for w in trainer.worker_ids:
-            if w in workers:
-                base = theta if bases is None else [bases[w][i] for i in fragment]
-                mine = [workers[w].params[i] for i in fragment]
-                local[w] = [torch.zeros_like(t) for t in theta] if w in out else worker_delta(base, mine)
+            if w not in workers:
+                continue
+            if w in out:
+                local[w] = [torch.zeros_like(t) for t in theta]
+                continue
+            base = theta if bases is None else [bases[w][i] for i in fragment]
+            mine = [workers[w].params[i] for i in fragment]
+            local[w] = weighted(worker_delta(base, mine), weights.get(w, 1.0))
         self._count(trainer, fragment)
 
-        def divisor(gathered: Gathered) -> int:
-            count = _healthy(gathered.reports) if healthy is None else healthy
-            return count or len(trainer.worker_ids)  # nobody healthy: the zeros stay zeros
+        def divisor(gathered: Gathered) -> float:
+            total = healthy_weight(gathered.reports, weights) if healthy is None else healthy
+            return total or len(trainer.worker_ids)  # nobody healthy: the zeros stay zeros
 
         if self.codec is None:
             return self.comm.sum_with_reports(local, reports, trainer.worker_ids).then(
@@ -92,9 +108,8 @@ class DeltaExchange:
             gathered: Gathered = done.wait()
             assert gathered.rows is not None and self.codec is not None
             encoded = [Encoded(codes=c, scales=s if s.numel() else None, numel=numel) for c, s in gathered.rows]
-            count = divisor(gathered)
-            flat = decode_and_average(encoded, self.codec, divisor=count)
-            return Exchanged(mean=unflatten(flat, like), healthy=count, reports=gathered.reports)
+            flat = decode_and_average(encoded, self.codec, divisor=divisor(gathered))
+            return Exchanged(mean=unflatten(flat, like), reports=gathered.reports)
 
         return self.comm.gather_with_reports(payloads, reports, trainer.worker_ids).then(decode)
 

@@ -9,6 +9,7 @@ for its fresh one, so its own latest drift is never late; θ itself lags by one 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -18,7 +19,7 @@ from adloco.algorithms.outer import OuterOptimizer, eager_pseudo_gradient, worke
 from adloco.comm.base import Communicator
 from adloco.config import TrainConfig
 from adloco.sync.base import DeltaStrategy, completed
-from adloco.sync.exchange import DeltaExchange
+from adloco.sync.exchange import DeltaExchange, weighted
 from adloco.sync.rounds import RoundState
 from adloco.trainer import Trainer
 from adloco.worker import Worker
@@ -91,12 +92,15 @@ class OverlappedSync(DeltaStrategy):
         """Start this round's exchange; return each eager worker's fresh share of the mean it will become."""
         hosted = self.hosted(trainer)
         bases = {w: self.eager[w].theta for w in hosted if w in self.eager} or None
-        healthy = sum(1 for w in trainer.worker_ids if not state.reports[w].out)
+        weight = {w: state.weights.get(w, 1.0) for w in trainer.worker_ids}
+        healthy = math.fsum(weight[w] for w in trainer.worker_ids if not state.reports[w].out)
         # The reports went ahead of Δ, so Δ travels alone: the same bytes as DiLoCo's single exchange.
-        future = self.exchange.start(trainer, 0, self.workers, state.out, healthy=healthy, bases=bases)
+        future = self.exchange.start(
+            trainer, 0, self.workers, state.out, healthy=healthy, bases=bases, weights=state.weights
+        )
         self.pending[trainer.trainer_id] = future.then(lambda done: done.wait().mean)
         return {
-            w: [d.div_(healthy) for d in worker_delta(self.eager[w].theta, self.workers[w].params)]
+            w: [d.div_(healthy) for d in weighted(worker_delta(self.eager[w].theta, self.workers[w].params), weight[w])]
             for w in hosted
             if w in self.eager and not state.reports[w].out
         }

@@ -114,6 +114,8 @@ class RoundState:
     reports: dict[int, WorkerRound] = field(default_factory=dict)
     skipped: set[int] = field(default_factory=set)
     compute_seconds: defaultdict[int, float] = field(default_factory=lambda: defaultdict(float))
+    # Each worker's weight in its trainer's mean Δ (samples over the trainer's mean); 1.0 for equal shares.
+    weights: dict[int, float] = field(default_factory=dict)
 
     @property
     def out(self) -> set[int]:

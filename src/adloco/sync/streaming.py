@@ -35,7 +35,7 @@ class StreamingSync(DeltaStrategy):
         for trainer in self.taking_part():
             flags = {w: torch.tensor([float(state.local[w].out)], dtype=torch.float64) for w in self.hosted(trainer)}
             for p in fragments_sending_at(t, self.config.sync_every, stream.fragments):
-                future = self.exchange.start(trainer, p, self.workers, state.out, reports=flags)
+                future = self.exchange.start(trainer, p, self.workers, state.out, reports=flags, weights=state.weights)
                 self.pending[(trainer.trainer_id, p)] = (t + stream.overlap, future.then(lambda f: f.wait().mean))
         for trainer in self.taking_part():
             for p in fragments_receiving_at(t, self.config.sync_every, stream.fragments, stream.overlap):

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,6 +35,7 @@ ONE_THREAD = ["threads=1"]
 # and sensitivity runs study the norm test (the default before the time-aware controller), so they ask for it.
 SWITCH = ["batch.controller=test", "batch.b_max=16"]
 GENTLE = ["batch.controller=test", "trainers=1", "workers=4", "batch.eta=2.5", "batch.ema=0.5"]
+ONE_TRAINER = ["trainers=1", "workers=4", "batch.ema=0.5"]
 
 EXPERIMENTS: dict[str, dict[str, list[str]]] = {
     "anchor": {
@@ -45,6 +47,9 @@ EXPERIMENTS: dict[str, dict[str, list[str]]] = {
         # Tuned: one trainer of 4 workers (no Multi-Instance Training) and a gentler norm test, so b grows late.
         "AdLoCo (1 trainer; gentle test)": ["method=adloco", *GENTLE],
         "AdLoCo (1 trainer; gentle test; b ≤ 16)": ["method=adloco", *GENTLE, "batch.b_cap=16"],
+        # The time-aware controller on one trainer of 4 workers, with smoothed statistics; and with H following b.
+        "AdLoCo (1 trainer; smoothed)": ["method=adloco", *ONE_TRAINER],
+        "AdLoCo (1 trainer; smoothed; H follows b)": ["method=adloco", *ONE_TRAINER, "batch.keep_round_time=true"],
         "Streaming fp32": ["method=streaming"],
         "Streaming fp4": ["method=streaming", "codec.name=fp4-e2m1"],
     },
@@ -181,6 +186,25 @@ def _first_reaching(run: dict, loss: float, key: str) -> float | None:
     return next((point[key] for point in run["curve"] if point["val_loss"] <= loss), None)
 
 
+def _time_targets(name: str, adloco: dict, diloco: dict, row: Callable[[str, str, bool], None]) -> None:
+    """The targets of the time-aware controller: DiLoCo's loss at equal tokens with a third of its syncs, and
+    DiLoCo's final (periodic) loss in 0.8x its training time."""
+    gap = adloco["val_loss"] / diloco["val_loss"] - 1
+    syncs = adloco["syncs"] / max(diloco["syncs"], 1)
+    row(
+        f"{name} at equal tokens ≤ DiLoCo + 1 % with ≤ 1/3 of its syncs",
+        f"{100 * gap:+.1f} %, {syncs:.2f}× the syncs",
+        gap <= 0.01 and syncs <= 1 / 3,
+    )
+    at = _first_reaching(adloco, diloco["curve"][-1]["val_loss"], "seconds")
+    target = f"{name} reaches DiLoCo's final loss in ≤ 0.8× DiLoCo's time"
+    row(
+        target,
+        "never reached" if at is None else f"{at / diloco['seconds']:.2f}×",
+        at is not None and at <= 0.8 * diloco["seconds"],
+    )
+
+
 def _targets(anchor: dict, overhead_result: dict | None) -> list[str]:
     runs = anchor["runs"]
     single, ddp, diloco, fp4 = (runs[k] for k in ("single worker", "DDP", "DiLoCo", "Streaming fp4"))
@@ -206,6 +230,7 @@ def _targets(anchor: dict, overhead_result: dict | None) -> list[str]:
         else:
             saving = 1 - at / diloco["syncs"]
             row(target, f"{100 * saving:.0f} % fewer", saving >= 0.3)
+        _time_targets(name, adloco, diloco, row)
     byte_ratio = ddp["bytes"] / fp4["bytes"]
     loss_gap = fp4["val_loss"] / ddp["val_loss"] - 1
     row(

@@ -89,3 +89,16 @@ def test_the_time_controller_prices_a_balanced_trainer_at_its_common_step_time()
     assert pace is not None and pace.cost.per_sample == pytest.approx(2 / (1 / 0.01 + 1 / 0.03))
     equal = _cluster(["method=adloco", "trainers=1", "workers=2", "batch.round_seconds=0.5", *SLOW_SECOND[1:]])
     assert equal._pace(next(iter(equal.trainers.values())), None).cost.per_sample == pytest.approx(0.03)
+
+
+def test_keep_round_time_scales_h_by_the_samples_a_step_reads():
+    cluster = _cluster(["method=diloco", "workers=2", "sync_every=12", "batch.keep_round_time=true"])
+    (trainer,) = cluster.trainers.values()
+    assert cluster.inner_steps_per_round() == 12  # batch.size=3 per worker: the start
+    trainer.batch_size = 12
+    assert cluster.inner_steps_per_round() == 3
+    trainer.batch_size = 64
+    assert cluster.inner_steps_per_round() == 1  # never below one step
+    fixed = _cluster(["method=diloco", "workers=2", "sync_every=12"])
+    next(iter(fixed.trainers.values())).batch_size = 12
+    assert fixed.inner_steps_per_round() == 12

@@ -38,6 +38,11 @@ def test_overrides_parse_yaml_values_and_nested_keys():
         (["inner.lr.x=3"], "inner.lr"),
         (["method=localsgd", "outer.lr=0.5"], "outer.lr"),
         (["batch.b_min=10", "batch.b_cap=5"], "b_min"),
+        (["method=ddp", "batch.shares=speed"], "batch.shares"),
+        (["workers=2", "batch.step_seconds=[[0,0.1]]"], "1 pairs for 2 workers"),
+        (["batch.step_seconds=[]"], "batch.step_seconds"),
+        (["batch.step_seconds=[0,-1]"], "batch.step_seconds"),
+        (["method=streaming", "batch.keep_round_time=true"], "batch.keep_round_time"),
     ],
 )
 def test_bad_values_give_one_line_naming_the_key(overrides, fragment):
@@ -66,10 +71,11 @@ def test_yaml_file_and_errors(tmp_path):
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
-    config = build_config(overrides=["method=adloco", "batch.eta=0.5"])
-    path = tmp_path / "config.yaml"
-    path.write_text(config.to_yaml())
-    assert load_config(path) == config
+    for overrides in (["method=adloco", "batch.eta=0.5"], ["workers=2", "batch.step_seconds=[[0,0.1],[0.01,0.2]]"]):
+        config = build_config(overrides=overrides)
+        path = tmp_path / "config.yaml"
+        path.write_text(config.to_yaml())
+        assert load_config(path) == config
 
 
 def test_yaml_words_like_off_stay_strings(tmp_path):

@@ -136,6 +136,17 @@ def test_the_time_aware_controller_grows_b_towards_the_fastest_batch_at_most_2x_
     assert sizes[:2] == [1, 2]
 
 
+def test_keep_round_time_takes_fewer_inner_steps_per_round_as_b_grows(fast_overrides):
+    overrides = [*fast_overrides, "method=adloco", "trainers=1", "workers=2", "batch.size=1", "batch.b_cap=64"]
+    settings = [*PINNED_PACE, "sync_every=8", "total_tokens=8192", "batch.keep_round_time=true"]
+    result = train(build_config(overrides=[*overrides, *settings]))
+    rounds = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    b_at_start = [1] + [r["batch"]["0"] for r in rounds[:-1]]  # a record holds b after its round
+    expected = [max(1, round(8 / b)) for b in b_at_start]
+    assert [r["steps"] for r in rounds[:-1]] == expected[:-1]  # the last round may be cut by the budget
+    assert rounds[-1]["steps"] <= expected[-1] and max(b_at_start) >= 4 and rounds[0]["steps"] == 8
+
+
 def test_measured_costs_feed_the_time_aware_controller(fast_overrides):
     overrides = [*fast_overrides, "method=adloco", "trainers=1", "workers=2", "batch.min_steps_left=1"]
     result = train(build_config(overrides=[*overrides, "sync_every=2", "total_tokens=2048"]))

@@ -267,6 +267,16 @@ class Cluster:
         """Tokens one inner step reads over all workers."""
         return sum(self.samples_per_step().values()) * self.context
 
+    def inner_steps_per_round(self) -> int:
+        """H, or with ``batch.keep_round_time`` H scaled down by how many more samples a step reads than at the
+        start (the same on every rank: it follows the plans)."""
+        config = self.config
+        assert config.sync_every is not None
+        if not config.batch.keep_round_time:
+            return config.sync_every
+        start = config.batch.size * config.total_workers
+        return max(1, round(config.sync_every * start / sum(self.samples_per_step().values())))
+
     def statistics_due(self, round_index: int) -> bool:
         return self.collect_statistics and round_index % self.config.batch.test_every == 0
 
@@ -370,9 +380,8 @@ class Cluster:
         limit = None
         if tokens_left is not None:
             limit = tokens_left // (self.config.batch.min_steps_left * self.context * self.config.total_workers)
-        assert self.config.sync_every is not None
         cost = self.costs.trainer_cost(trainer.worker_ids, balanced=self.config.batch.shares == "speed")
-        return Pace(cost, self.costs.round_seconds, self.config.sync_every, limit)
+        return Pace(cost, self.costs.round_seconds, self.inner_steps_per_round(), limit)
 
     def _report(self, state: RoundState) -> RoundReport:
         """The round in numbers, from every worker's report (so every rank writes the same)."""

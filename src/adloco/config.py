@@ -146,6 +146,11 @@ class BatchConfig(_Section):
         "one pair for all workers or a list with one per worker (decisions and shares then reproduce exactly, with "
         "batch.round_seconds); null: time it and follow the real steps.",
     )
+    keep_round_time: bool = Field(
+        False,
+        description="As b grows, take fewer inner steps per round so a round reads about as many samples as at "
+        "the start: H_r = max(1, round(H·samples at the start / samples now)); not with method=streaming.",
+    )
     shares: Literal["equal", "speed"] = Field(
         "equal",
         description="How a trainer's M·b samples per step are split over its workers: 'equal' (b each) or 'speed' "
@@ -423,6 +428,8 @@ class TrainConfig(BaseModel):
 
     def _check_shares(self) -> None:
         batch = self.batch
+        if batch.keep_round_time and self.method == "streaming":
+            raise ValueError("batch.keep_round_time: streaming's fragment schedule needs a fixed H (sync_every)")
         if batch.shares == "speed" and self.method == "ddp":
             raise ValueError("batch.shares: ddp averages gradients every step; shares apply to DiLoCo-family methods")
         if isinstance(batch.step_seconds, list) and len(batch.step_seconds) != self.total_workers:

@@ -585,7 +585,7 @@ def _plan_round(run: _Run) -> _RoundPlan:
                 plan.mode,
                 plan.sizes,
             )
-    steps = min(config.sync_every, math.ceil((config.total_tokens - counters["tokens"]) / per_step))
+    steps = min(cluster.inner_steps_per_round(), math.ceil((config.total_tokens - counters["tokens"]) / per_step))
     return _RoundPlan(
         index=counters["round"],
         steps=steps,

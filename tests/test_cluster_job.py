@@ -200,6 +200,18 @@ def _start(tmp_path, name, overrides):
     return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _stderr_once_ended(proc: subprocess.Popen, timeout: float = 120) -> str:
+    """The child's stderr after it exits; one still running after ``timeout`` is killed and its stderr shown."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        err = proc.communicate()[1]
+        raise AssertionError(
+            f"the run did not exit within {timeout:.0f} s of the signal; its stderr:\n{err[-4000:]}"
+        ) from None
+
+
 def _wait_for_round(metrics: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -215,7 +227,7 @@ def test_sigterm_checkpoints_at_the_round_end_and_the_resume_is_bit_identical(tm
     proc = _start(tmp_path, "stopped", overrides)
     _wait_for_round(tmp_path / "stopped" / "metrics.jsonl", proc)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    err = _stderr_once_ended(proc)
     assert proc.returncode == 128 + signal.SIGTERM, err
     checkpoints = list_checkpoints(tmp_path / "stopped" / "checkpoints")
     assert len(checkpoints) == 1  # checkpoint.every=1000: this one is the signal's
@@ -235,7 +247,7 @@ def test_sigusr1_stops_the_same_way(tmp_path):
     proc = _start(tmp_path, "stopped", [*FAST, "total_tokens=100000", "checkpoint.every=1000", "threads=1"])
     _wait_for_round(tmp_path / "stopped" / "metrics.jsonl", proc)
     proc.send_signal(signal.SIGUSR1)
-    _, err = proc.communicate(timeout=120)
+    err = _stderr_once_ended(proc)
     assert proc.returncode == 128 + signal.SIGUSR1, err
     assert len(list_checkpoints(tmp_path / "stopped" / "checkpoints")) == 1
     assert err.strip().splitlines()[-1].startswith("adloco: stopped on SIGUSR1: checkpoint of round ")
@@ -248,7 +260,7 @@ def test_ctrl_c_names_the_newest_checkpoint_or_says_there_is_none(tmp_path):
     while not list_checkpoints(tmp_path / "interrupted" / "checkpoints"):
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    err = _stderr_once_ended(proc)
     assert proc.returncode == 130, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("adloco: interrupted: checkpoint of round ")
@@ -256,7 +268,7 @@ def test_ctrl_c_names_the_newest_checkpoint_or_says_there_is_none(tmp_path):
     proc = _start(tmp_path, "early", [*overrides, "checkpoint.every=100000"])
     _wait_for_round(tmp_path / "early" / "metrics.jsonl", proc)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    err = _stderr_once_ended(proc)
     assert proc.returncode == 130
     assert err.strip().splitlines()[-1] == (
         f"adloco: interrupted: no checkpoint was written yet in {tmp_path / 'early'}; start the run again"

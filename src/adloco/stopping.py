@@ -55,6 +55,7 @@ class StopSignals:
     def __init__(self, rank: int | None = None) -> None:
         self.enabled = threading.current_thread() is threading.main_thread()  # Python's rule
         self.requested: int | None = None
+        self.interrupted = False
         self._who = "" if rank is None else f"rank {rank}: "
         self._previous: dict[int, object] = {}
 
@@ -64,10 +65,22 @@ class StopSignals:
             print(f"adloco: {self._who}{name} received; stopping at a round's end", file=sys.stderr, flush=True)
         self.requested = signum
 
+    def _interrupt(self, signum: int, frame: FrameType | None) -> None:
+        self.interrupted = True
+        raise KeyboardInterrupt
+
+    def raise_if_interrupted(self) -> None:
+        """Raise the Ctrl-C that Python swallowed: one raised inside a finalizer (a generator's ``finally``, a
+        ``__del__``) is only printed as "Exception ignored", and the run would otherwise go on to its end."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+
     def __enter__(self) -> StopSignals:
         if self.enabled:
             for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an ignored or custom one stays
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
         return self
 
     def __exit__(self, *exc: object) -> None:

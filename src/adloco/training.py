@@ -472,7 +472,7 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
                 plan.index,
                 plan.steps,
                 lambda step, plan=plan: plan.lr_at(config, step),
-                lambda step, plan=plan: _show_step(run, plan, step, display),
+                lambda step, plan=plan: _after_step(run, plan, step, display, stop),
                 first_step=plan.first_step,
                 ask=lambda: BoundaryRequest(stop_signal=stop.requested or 0, checkpoint=_checkpoint_time_due(run)),
                 tokens_left=config.total_tokens - plan.tokens_before - plan.steps * plan.per_step,
@@ -596,6 +596,12 @@ def _plan_round(run: _Run) -> _RoundPlan:
         started=time.perf_counter(),
         samples=cluster.samples_per_step(),
     )
+
+
+def _after_step(run: _Run, plan: _RoundPlan, progress: StepProgress, display: RunDisplay, stop: StopSignals) -> None:
+    """After every inner step: a Ctrl-C that got lost stops the run here, else show the progress."""
+    stop.raise_if_interrupted()
+    _show_step(run, plan, progress, display)
 
 
 def _show_step(run: _Run, plan: _RoundPlan, progress: StepProgress, display: RunDisplay) -> None:

@@ -344,24 +344,23 @@ def _predict(config, model, points: list[RoundPoint], last: RoundPoint, target: 
             "final_batch": next(p.batch for p in points if p.round == measured["round"]),
         }
         return prediction
-    else:
-        norm_test = config.batch.test == "norm" and config.batch.b_cap > config.batch.b_min
-        path = rounds_to_target(
-            model,
-            last.loss,
-            target,
-            workers=last.workers_after,
-            batch=last.batch_after,
-            schedule=_schedule(config),
-            step=last.first_step + last.steps,
-            tokens=last.tokens,
-            sample_tokens=last.sample_tokens,
-            other_samples=last.others_after,
-            eta=config.batch.eta if norm_test else None,
-            batch_cap=config.batch.b_cap if norm_test else None,
-            max_rounds=HORIZON * len(points),
-        )
-        return _prediction_dict(path, last, syncs)
+    norm_test = config.batch.test == "norm" and config.batch.b_cap > config.batch.b_min
+    path = rounds_to_target(
+        model,
+        last.loss,
+        target,
+        workers=last.workers_after,
+        batch=last.batch_after,
+        schedule=_schedule(config),
+        step=last.first_step + last.steps,
+        tokens=last.tokens,
+        sample_tokens=last.sample_tokens,
+        other_samples=last.others_after,
+        eta=config.batch.eta if norm_test else None,
+        batch_cap=config.batch.b_cap if norm_test else None,
+        max_rounds=HORIZON * len(points),
+    )
+    return _prediction_dict(path, last, syncs)
 
 
 def _calibration_dict(model, window, calibration: list[RoundPoint]) -> dict[str, Any]:

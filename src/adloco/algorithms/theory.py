@@ -266,6 +266,25 @@ class RoundsPrediction:
         return self.rounds is not None
 
 
+def _check_path_inputs(
+    start_loss: float,
+    target: float,
+    sample_tokens: float,
+    workers: int,
+    batch: int,
+    max_rounds: int,
+    eta: float | None,
+    batch_cap: int | None,
+) -> None:
+    _check_finite("start_loss", start_loss)
+    _check_finite("target", target)
+    _check_positive("sample_tokens", sample_tokens)
+    for name, value in (("workers", workers), ("batch", batch), ("max_rounds", max_rounds)):
+        _check_count(name, value)
+    if (eta is None) != (batch_cap is None):
+        raise ValueError("give both eta and batch_cap for a norm-test batch, or neither")
+
+
 def rounds_to_target(
     model: LossModel,
     start_loss: float,
@@ -290,13 +309,7 @@ def rounds_to_target(
     ``batch.test=norm`` does); otherwise it stays ``batch``. The target is unreachable when ``max_rounds``
     pass without reaching it or when a round predicts no progress.
     """
-    _check_finite("start_loss", start_loss)
-    _check_finite("target", target)
-    _check_positive("sample_tokens", sample_tokens)
-    for name, value in (("workers", workers), ("batch", batch), ("max_rounds", max_rounds)):
-        _check_count(name, value)
-    if (eta is None) != (batch_cap is None):
-        raise ValueError("give both eta and batch_cap for a norm-test batch, or neither")
+    _check_path_inputs(start_loss, target, sample_tokens, workers, batch, max_rounds, eta, batch_cap)
     if start_loss <= target:
         return RoundsPrediction(rounds=0, losses=(), batches=())
     loss = start_loss

@@ -3,6 +3,7 @@
     python benchmarks/link.py --write                      # 100 Mbit/s and 1 Gbit/s, 2 ranks (~15-20 min idle)
     python benchmarks/link.py --rates 100 --tokens 32000   # a quick look (~3 min)
     python benchmarks/link.py --ranks 4 --methods ddp,diloco
+    python benchmarks/link.py --adaptive --ranks 2,4 --write eval.every=1   # AdLoCo vs DiLoCo at H 10/20/50
 
 Every rank runs in its own network namespace (rank k at 10.77.0.<k+1>) and reaches the others through a bridge
 in a hub namespace, like machines on one switch. Each rank's veth pair carries a ``tc`` token-bucket filter
@@ -46,6 +47,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "link.json"
 LATENCY_RESULTS = ROOT / "benchmarks" / "results" / "latency.json"
 BEGIN, END = "<!-- link:begin -->", "<!-- link:end -->"
 LATENCY_BEGIN, LATENCY_END = "<!-- latency:begin -->", "<!-- latency:end -->"
+ADAPTIVE_RESULTS = ROOT / "benchmarks" / "results" / "link_adloco.json"
+ADAPTIVE_BEGIN, ADAPTIVE_END = "<!-- link-adloco:begin -->", "<!-- link-adloco:end -->"
 SUBNET = "10.77.0"
 TBF_LATENCY = "400ms"  # how long a packet may wait in the bucket's queue before tbf drops it (not a delay)
 
@@ -81,19 +84,51 @@ COMMON = [
 def method_overrides(method: str, ranks: int) -> list[str]:
     """The overrides of one benchmarked method on ``ranks`` ranks (one worker slot per rank)."""
     workers = f"workers={ranks}"
+    fp4 = "codec.name=fp4-e2m1"
     table = {
         "ddp": ["method=ddp", workers],
         "diloco": ["method=diloco", workers],
-        "streaming-fp4": ["method=streaming", "codec.name=fp4-e2m1", workers],
+        "streaming-fp4": ["method=streaming", fp4, workers],
         # One trainer per rank, merged pairwise every merge.every rounds: the same workers as the others.
         "adloco": ["method=adloco", f"trainers={ranks}", "workers=1"],
         # The README's gentler norm test (batches grow later), not in the default list.
         "adloco-eta2.5": ["method=adloco", f"trainers={ranks}", "workers=1", "batch.eta=2.5", "batch.ema=0.5"],
     }
+    for codec, codec_overrides in CODECS.items():
+        for h in DILOCO_H:
+            table[diloco_name(codec, h)] = ["method=diloco", workers, f"sync_every={h}", *codec_overrides]
+        # Issue 16's comparison: the time-aware controller on one trainer of all ranks, smoothed statistics.
+        for h in ADLOCO_H:
+            adloco = ["method=adloco", "trainers=1", workers, "batch.ema=0.5", f"sync_every={h}"]
+            table[adloco_name(codec, h)] = [*adloco, *codec_overrides]
     return table[method]
 
 
-METHODS = ("ddp", "diloco", "streaming-fp4", "adloco", "adloco-eta2.5")
+# Issue 16: AdLoCo reaches DDP's final loss in at most this fraction of the time of the best DiLoCo (H in DILOCO_H)
+# that exchanges with the same codec, at every rate and rank count. AdLoCo runs at its default H (10) and at
+# DiLoCo's best H on these links (50), and the better of the two counts.
+DILOCO_H = (10, 20, 50)
+ADLOCO_H = (10, 50)
+TARGET_VS_BEST_DILOCO = 0.67
+CODECS = {"fp32": [], "fp4": ["codec.name=fp4-e2m1"]}
+
+
+def diloco_name(codec: str, h: int) -> str:
+    """``diloco-h20``, ``diloco-fp4-h50``, ..."""
+    return f"diloco{'-fp4' if codec == 'fp4' else ''}-h{h}"
+
+
+def adloco_name(codec: str, h: int) -> str:
+    """``adloco-1t`` (one trainer of all ranks, H = 10), ``adloco-1t-fp4-h50``, ..."""
+    return f"adloco-1t{'-fp4' if codec == 'fp4' else ''}{'' if h == 10 else f'-h{h}'}"
+
+
+ADAPTIVE_METHODS = (
+    "ddp",
+    *(diloco_name(c, h) for c in CODECS for h in DILOCO_H),
+    *(adloco_name(c, h) for c in CODECS for h in ADLOCO_H),
+)
+METHODS = ("ddp", "diloco", "streaming-fp4", "adloco", "adloco-eta2.5", *ADAPTIVE_METHODS[1:])
 DEFAULT_METHODS = ("ddp", "diloco", "streaming-fp4", "adloco")
 
 
@@ -634,7 +669,9 @@ def rate_table(title: str, results: dict[str, Any]) -> str:
         "| tokens to target | speed-up vs DDP | vs DiLoCo |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    base = {m: results.get(m, {}).get("time_to_target") for m in ("ddp", "diloco")}
+    # DiLoCo at its default H (10) is the reference column, named diloco-h10 in the --adaptive comparison.
+    diloco = results.get("diloco", results.get("diloco-h10", {}))
+    base = {"ddp": results.get("ddp", {}).get("time_to_target"), "diloco": diloco.get("time_to_target")}
     for method, r in results.items():
         if "error" in r:
             lines.append(f"| {method} | — | failed: {r['error'][:80]} | | | | | | | | |")
@@ -706,12 +743,27 @@ def publish(report: dict[str, Any], text: str, json_path: Path, doc: Path | None
         print(f"written: {doc}")
 
 
+def _provenance(report: dict[str, Any]) -> str:
+    """When, with what command and versions, on which machine."""
+    v = report["versions"]
+    return (
+        f"Measured {report['date']} with `{report['command']}`: adloco {v['adloco']}, torch {v['torch']}, "
+        f"Python {v['python']}; {report['machine']}."
+    )
+
+
+def _stopped_runs_head(report: dict[str, Any], links: str) -> str:
+    """Provenance and budgets of runs with one thread per rank, stopped at the target; then what ``links`` were."""
+    return (
+        f"{_provenance(report)} One thread per rank, seed {report['seed']}; DDP {report['ddp_tokens']:,} tokens, "
+        f"the others up to {report['other_tokens']:,} (stopped once they reach the target). {links}"
+    )
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The section docs/link-and-peers.md shows: provenance, one table per rate, the targets."""
-    v = report["versions"]
     head = (
-        f"Measured {report['date']} with `{report['command']}`: adloco {v['adloco']}, torch {v['torch']}, "
-        f"Python {v['python']}; {report['machine']}. {report['ranks']} ranks × 1 thread, seed {report['seed']}; "
+        f"{_provenance(report)} {report['ranks']} ranks × 1 thread, seed {report['seed']}; "
         f"DDP {report['ddp_tokens']:,} tokens, the others up to {report['other_tokens']:,}"
         + (" (stopped once they reach the target)." if not report["run_to_budget"] else ".")
     )
@@ -755,13 +807,7 @@ def latency_checks(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def latency_markdown(report: dict[str, Any]) -> str:
     """The latency section of docs/link-and-peers.md: one table per (ranks, rate, RTT), then the target."""
-    v = report["versions"]
-    head = (
-        f"Measured {report['date']} with `{report['command']}`: adloco {v['adloco']}, torch {v['torch']}, "
-        f"Python {v['python']}; {report['machine']}. One thread per rank, seed {report['seed']}; DDP "
-        f"{report['ddp_tokens']:,} tokens, the others up to {report['other_tokens']:,} (stopped once they reach "
-        "the target). Every link is the delay line, the ~0 ms rows included."
-    )
+    head = _stopped_runs_head(report, "Every link is the delay line, the ~0 ms rows included.")
     tables = []
     for run in report["runs"]:
         title = (
@@ -817,6 +863,76 @@ def run_latency(args: argparse.Namespace, links: list[tuple[int, float]], report
     report["checks"] = latency_checks(report["runs"])
 
 
+def _fastest(results: dict[str, Any], names: Sequence[str]) -> tuple[str | None, float | None]:
+    """The run among ``names`` that reached the target soonest, and its time; (None, None) if none did."""
+    reached = {n: results[n]["time_to_target"] for n in names if (results.get(n) or {}).get("time_to_target")}
+    if not reached:
+        return None, None
+    best = min(reached, key=reached.__getitem__)
+    return best, reached[best]
+
+
+def adaptive_checks(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per link and codec: the fastest AdLoCo run's time to the target over the fastest DiLoCo run's."""
+    checks = []
+    for run in runs:
+        for codec in CODECS:
+            adloco, adloco_t = _fastest(run["results"], [adloco_name(codec, h) for h in ADLOCO_H])
+            diloco, diloco_t = _fastest(run["results"], [diloco_name(codec, h) for h in DILOCO_H])
+            ratio = adloco_t / diloco_t if adloco_t and diloco_t else None
+            checks.append({"ranks": run["ranks"], "rate_mbit": run["rate_mbit"], "codec": codec,
+                           "adloco": adloco, "adloco_seconds": adloco_t, "diloco": diloco,
+                           "diloco_seconds": diloco_t, "ratio": ratio,
+                           "met": ratio is not None and ratio <= TARGET_VS_BEST_DILOCO})  # fmt: skip
+    return checks
+
+
+def _check_figure(check: dict[str, Any]) -> str:
+    if check["adloco"] is None:
+        return "AdLoCo did not reach the target"
+    if check["diloco"] is None:
+        return f"{check['adloco']} {check['adloco_seconds']:.1f} s; no DiLoCo run reached the target"
+    return (
+        f"{check['adloco']} {check['adloco_seconds']:.1f} s against {check['diloco']} "
+        f"{check['diloco_seconds']:.1f} s: {check['ratio']:.2f}×"
+    )
+
+
+def adaptive_markdown(report: dict[str, Any]) -> str:
+    """The AdLoCo section of docs/link-and-peers.md: one table per (ranks, rate), then the target per run."""
+    head = _stopped_runs_head(report, "tbf links as above.")
+    tables = [
+        rate_table(f"{run['ranks']} ranks, {run['rate_mbit']} Mbit/s (measured {run['measured_mbit']:.0f} Mbit/s)",
+                   run["results"])
+        for run in report["runs"]
+    ]  # fmt: skip
+    lines = [
+        f"Target: AdLoCo's time to DDP's final loss ≤ {TARGET_VS_BEST_DILOCO:g}× that of the best DiLoCo "
+        f"(H in {', '.join(map(str, DILOCO_H))}) with the same codec; AdLoCo at H in "
+        f"{', '.join(map(str, ADLOCO_H))}, the faster counts.",
+        "",
+    ]
+    for check in report["checks"]:
+        verdict = "met" if check["met"] else "not met"
+        where = f"{check['ranks']} ranks, {check['rate_mbit']} Mbit/s, {check['codec']}"
+        lines.append(f"- {where}: **{verdict}** ({_check_figure(check)})")
+    return "\n\n".join([head, *tables, "\n".join(lines)])
+
+
+def run_adaptive(args: argparse.Namespace, rates: list[int], report: dict[str, Any]) -> None:
+    """DDP, DiLoCo at every H with and without fp4, and AdLoCo with both, for every rank count and rate."""
+    report["runs"] = []
+    for ranks in args.ranks:
+        for rate in rates:
+            print(f"link at {rate} Mbit/s, {ranks} ranks", flush=True)
+            with namespace_link(rate, ranks) as link:
+                measured = measure_rate(link, megabytes=max(4, min(64, rate // 8)))
+                print(f"  measured {measured:.1f} Mbit/s", flush=True)
+                results = run_rate(link, args, args.out)
+            report["runs"].append({"ranks": ranks, "rate_mbit": rate, "measured_mbit": measured, "results": results})
+    report["checks"] = adaptive_checks(report["runs"])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="100,1000", help="link rates in Mbit/s, comma-separated")
@@ -833,8 +949,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="put the tables into --doc between the link markers")
     parser.add_argument("--doc", type=Path, default=DOC, help="default docs/link-and-peers.md")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --out, run the rest")
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="issue 16's comparison: AdLoCo against DiLoCo at every H, fp32 and fp4, for each of --ranks",
+    )
     parser.add_argument("extra", nargs="*", help="further overrides for every run")
     args = parser.parse_args(argv)
+    if args.adaptive and args.methods == ",".join(DEFAULT_METHODS):
+        args.methods = ",".join(ADAPTIVE_METHODS)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
@@ -853,11 +976,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         links = parse_links(args.links) if args.links else None
     except ValueError as error:
         parser.error(str(error))
-    if not all(2 <= r <= 8 for r in args.ranks) or (links is None and len(args.ranks) != 1):
-        parser.error(f"--ranks must be between 2 and 8 (a list only with --links), got {args.ranks}")
+    if args.adaptive and links is not None:
+        parser.error("--adaptive runs on the tbf links of --rates, not with --links")
+    if not all(2 <= r <= 8 for r in args.ranks) or (links is None and not args.adaptive and len(args.ranks) != 1):
+        parser.error(f"--ranks must be between 2 and 8 (a list only with --links or --adaptive), got {args.ranks}")
     if links is not None:
         args.json = LATENCY_RESULTS if args.json == RESULTS else args.json
-    markers = (BEGIN, END) if links is None else (LATENCY_BEGIN, LATENCY_END)
+        markers = (LATENCY_BEGIN, LATENCY_END)
+    elif args.adaptive:
+        args.json = ADAPTIVE_RESULTS if args.json == RESULTS else args.json
+        markers = (ADAPTIVE_BEGIN, ADAPTIVE_END)
+    else:
+        markers = (BEGIN, END)
     if args.tokens <= 0 or args.budget_factor < 1:
         parser.error("--tokens must be positive and --budget-factor at least 1")
     if args.write and not (args.doc.exists() and all(m in args.doc.read_text() for m in markers)):
@@ -879,36 +1009,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": shlex.join(["python", "benchmarks/link.py", *(argv if argv is not None else sys.argv[1:])]),
         "versions": {"adloco": adloco.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "machine": machine(),
-        "ranks": args.ranks[0] if links is None else args.ranks,
+        "ranks": args.ranks[0] if links is None and not args.adaptive else args.ranks,
         "seed": args.seed,
         "ddp_tokens": args.tokens,
         "other_tokens": int(args.tokens * args.budget_factor),
         "run_to_budget": args.run_to_budget,
     }
     if links is not None:
-        try:
-            run_latency(args, links, report)
-        except LinkError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 1
-        publish(report, latency_markdown(report), args.json, args.doc if args.write else None, markers)
-        return 0
+        return _measure_and_publish(lambda: run_latency(args, links, report), latency_markdown, args, report, markers)
     report["tbf"] = {"burst": {str(r): burst_for(r) for r in rates}, "latency": TBF_LATENCY}
+    if args.adaptive:
+        return _measure_and_publish(lambda: run_adaptive(args, rates, report), adaptive_markdown, args, report, markers)
+    return _measure_and_publish(lambda: run_rates(args, rates, report), markdown, args, report, markers)
+
+
+def run_rates(args: argparse.Namespace, rates: list[int], report: dict[str, Any]) -> None:
+    """Every method at every rate on one rank count; the issue-6 targets at TARGET_RATE."""
     report["rates"] = {}
+    for rate in rates:
+        print(f"link at {rate} Mbit/s, {args.ranks[0]} ranks", flush=True)
+        with namespace_link(rate, args.ranks[0]) as link:
+            measured = measure_rate(link, megabytes=max(4, min(64, rate // 8)))
+            print(f"  measured {measured:.1f} Mbit/s", flush=True)
+            results = run_rate(link, args, args.out)
+        report["rates"][str(rate)] = {"measured_mbit": measured, "results": results}
+    if str(TARGET_RATE) in report["rates"]:
+        report["targets"] = target_checks(report["rates"][str(TARGET_RATE)]["results"])
+
+
+def _measure_and_publish(
+    measure: Callable[[], None],
+    render: Callable[[dict[str, Any]], str],
+    args: argparse.Namespace,
+    report: dict[str, Any],
+    markers: tuple[str, str],
+) -> int:
+    """Run the measurements into ``report``, then store and print them (exit 1 when the link fails)."""
     try:
-        for rate in rates:
-            print(f"link at {rate} Mbit/s, {args.ranks[0]} ranks", flush=True)
-            with namespace_link(rate, args.ranks[0]) as link:
-                measured = measure_rate(link, megabytes=max(4, min(64, rate // 8)))
-                print(f"  measured {measured:.1f} Mbit/s", flush=True)
-                results = run_rate(link, args, args.out)
-            report["rates"][str(rate)] = {"measured_mbit": measured, "results": results}
+        measure()
     except LinkError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    if str(TARGET_RATE) in report["rates"]:
-        report["targets"] = target_checks(report["rates"][str(TARGET_RATE)]["results"])
-    publish(report, markdown(report), args.json, args.doc if args.write else None, (BEGIN, END))
+    publish(report, render(report), args.json, args.doc if args.write else None, markers)
     return 0
 
 

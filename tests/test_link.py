@@ -217,3 +217,48 @@ def test_a_two_rank_job_over_a_100_mbit_link_stopped_at_its_first_evaluation(tmp
         rounds[0]["seconds"] - rounds[0]["eval_seconds"]
     )
     assert (tmp_path / "rank0.log").exists() and (tmp_path / "rank1.log").exists()
+
+
+def _adaptive_result(time_to_target):
+    tokens = None if time_to_target is None else 1000
+    return {"time_to_target": time_to_target, "tokens_to_target": tokens, "tokens": 2000, "val_loss": 2.0,
+            "seconds": 70.0, "comm_seconds": 5.0, "exchanges": 7, "bytes": 1e6}  # fmt: skip
+
+
+def _adaptive_run(ranks, rate, times):
+    results = {m: _adaptive_result(t) for m, t in times.items()}
+    return {"ranks": ranks, "rate_mbit": rate, "measured_mbit": rate * 0.95, "results": results}
+
+
+def test_adaptive_target_takes_the_fastest_adloco_and_diloco_with_the_same_codec():
+    runs = [
+        _adaptive_run(2, 100, {"diloco-h10": 60.0, "diloco-h20": 50.0, "diloco-h50": None, "adloco-1t": 36.0,
+                               "adloco-1t-h50": 30.0, "diloco-fp4-h10": 40.0, "diloco-fp4-h20": 45.0,
+                               "adloco-1t-fp4": 28.0}),
+        _adaptive_run(4, 1000, {"diloco-h10": None, "diloco-h20": None, "adloco-1t": 10.0, "adloco-1t-fp4": None}),
+    ]  # fmt: skip
+    checks = link.adaptive_checks(runs)
+    fp32, fp4, no_diloco, none_reached = checks
+    assert (fp32["adloco"], fp32["diloco"], fp32["ratio"], fp32["met"]) == ("adloco-1t-h50", "diloco-h20", 0.6, True)
+    assert (fp4["adloco"], fp4["diloco"], fp4["ratio"], fp4["met"]) == ("adloco-1t-fp4", "diloco-fp4-h10", 0.7, False)
+    assert no_diloco["diloco"] is None and no_diloco["ratio"] is None and not no_diloco["met"]
+    assert none_reached["codec"] == "fp4" and none_reached["adloco"] is None and not none_reached["met"]
+    versions = {"adloco": "0", "torch": "t", "python": "p"}
+    report = {"date": "d", "command": "c", "versions": versions, "machine": "m", "seed": 0, "ddp_tokens": 10,
+              "other_tokens": 20, "runs": runs, "checks": checks}  # fmt: skip
+    text = link.adaptive_markdown(report)
+    assert "- 2 ranks, 100 Mbit/s, fp32: **met** (adloco-1t-h50 30.0 s against diloco-h20 50.0 s: 0.60×)" in text
+    assert "- 2 ranks, 100 Mbit/s, fp4: **not met** (adloco-1t-fp4 28.0 s against diloco-fp4-h10 40.0 s: 0.70×)" in text
+    assert "- 4 ranks, 1000 Mbit/s, fp32: **not met** (adloco-1t 10.0 s; no DiLoCo run reached the target)" in text
+    assert "- 4 ranks, 1000 Mbit/s, fp4: **not met** (AdLoCo did not reach the target)" in text
+    assert "| adloco-1t | 2,000 | 2.0000 | 70.0 | 5.0 | 7 | 1.0 MB | 36.0 s | 1,000 | — | 1.67× |" in text
+
+
+def test_every_adaptive_method_has_its_overrides():
+    for method in link.ADAPTIVE_METHODS:
+        overrides = link.method_overrides(method, 4)
+        assert "workers=4" in overrides
+        build_config(overrides=overrides)  # each is a valid configuration
+    assert "sync_every=50" in link.method_overrides("diloco-fp4-h50", 2)
+    assert "codec.name=fp4-e2m1" in link.method_overrides("adloco-1t-fp4", 2)
+    assert link.method_overrides("adloco-1t-h50", 2)[-1] == "sync_every=50"

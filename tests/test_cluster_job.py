@@ -306,7 +306,8 @@ def test_print_config_shows_the_resolved_config_and_trains_nothing(tmp_path):
     result = _adloco("train", "total_tokens=2e4", "method=adloco", "--print-config", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     printed = yaml.safe_load(result.stdout)
-    assert printed["total_tokens"] == 20_000 and printed["trainers"] == 4 and printed["batch"]["test"] == "norm"
+    assert printed["total_tokens"] == 20_000 and (printed["trainers"], printed["workers"]) == (1, 4)
+    assert printed["batch"]["test"] == "norm" and printed["batch"]["controller"] == "time"
     assert not (tmp_path / "runs").exists()
 
 

@@ -12,9 +12,10 @@ def test_defaults_resolve_per_method():
     local = build_config(overrides=["method=localsgd"])
     assert local.outer.lr == 1.0 and local.outer.nesterov is False
     adloco = build_config(overrides=["method=adloco"])
-    assert (
-        adloco.trainers == 4 and adloco.workers == 1 and adloco.batch.test == "norm" and adloco.merge.policy == "b_req"
-    )
+    assert (adloco.trainers, adloco.workers, adloco.batch.test, adloco.batch.controller) == (1, 4, "norm", "time")
+    assert adloco.batch.ema == 0.5 and adloco.merge.policy == "off"  # nothing to merge with one trainer
+    instances = build_config(overrides=["method=adloco", "trainers=4", "workers=1"])
+    assert instances.merge.policy == "b_req" and instances.merge.shared_init
 
 
 def test_overrides_parse_yaml_values_and_nested_keys():

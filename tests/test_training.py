@@ -98,6 +98,7 @@ def test_adloco_grows_batches_and_merges_down_to_one_trainer(fast_overrides):
         *fast_overrides,
         "method=adloco",
         "batch.controller=test",
+        "trainers=4",
         "workers=1",
         "batch.b_cap=8",
         "merge.every=1",

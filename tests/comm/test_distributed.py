@@ -29,7 +29,8 @@ BASE = [
     "threads=1",  # the same kernels in every process, so bits can be compared
 ]
 DILOCO = [*BASE, "method=diloco", "workers=4", "sync_every=4", "total_tokens=1024"]
-ADLOCO = [*BASE, "method=adloco", "batch.b_cap=8", "sync_every=3", "merge.every=1", "total_tokens=4608", *PINNED_PACE]
+ADLOCO = [*BASE, "method=adloco", "trainers=4", "workers=1", "batch.b_cap=8", "sync_every=3", "merge.every=1",
+          "total_tokens=4608", *PINNED_PACE]  # fmt: skip
 
 
 def _free_port() -> int:

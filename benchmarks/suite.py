@@ -29,6 +29,9 @@ from pathlib import Path
 import python_corpus
 from common import ANCHOR_TOKENS, ROOT, describe, environment, train_run
 
+from adloco import build_config
+from adloco.cluster import batch_coupling
+
 RESULTS = ROOT / "benchmarks" / "results"
 IMAGES = ROOT / "docs" / "images" / "benchmarks"
 
@@ -318,6 +321,30 @@ def _second_corpus(result: dict) -> list[str]:
     ]
 
 
+def _batch_plot(plt, adloco: dict, path: Path) -> None:
+    """b per trainer over tokens, and the inner lr factor the run's config couples to it (dashed, right axis)."""
+    coupling = batch_coupling(build_config(overrides=adloco["overrides"]).batch)
+    figure, axis = plt.subplots(figsize=(7.5, 4.2))
+    lr_axis = axis.twinx()
+    trainers = sorted({k for b in adloco["batches"] for k in b["batch"]}, key=int)
+    for index, k in enumerate(trainers):
+        tokens, batches = zip(
+            *[(b["tokens"], b["batch"][k]) for b in adloco["batches"] if k in b["batch"]], strict=True
+        )
+        axis.step(tokens, batches, where="post", label=f"trainer {k}: b", color=f"C{index}")
+        factors = [coupling.lr_scale(b) for b in batches]
+        lr_axis.step(tokens, factors, where="post", linestyle="--", label=f"trainer {k}: lr factor", color=f"C{index}")
+    axis.set_xlabel("training tokens")
+    axis.set_ylabel("per-worker batch b")
+    lr_axis.set_ylabel("inner lr factor (dashed)")
+    axis.set_title("AdLoCo: b and the inner lr factor per trainer (lines end at merges)")
+    axis.legend(loc="upper left", fontsize=8)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def _plots(anchor: dict) -> list[str]:
     import matplotlib
 
@@ -326,19 +353,19 @@ def _plots(anchor: dict) -> list[str]:
 
     IMAGES.mkdir(parents=True, exist_ok=True)
     runs = anchor["runs"]
-    figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    figure, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     for axis, key, label, log in zip(
         axes,
-        ("tokens", "syncs", "bytes"),
-        ("training tokens", "synchronisations", "bytes sent"),
-        (False, True, True),
+        ("tokens", "seconds", "syncs", "bytes"),
+        ("training tokens", "wall-clock seconds (two runs at a time)", "synchronisations", "bytes sent"),
+        (False, False, True, True),
         strict=True,
     ):
         # Fixed colours per run: a run absent from a panel (a lone worker has no syncs) must not shift the others'.
         for index, (name, run) in enumerate(runs.items()):
             points = [(p[key], p["val_loss"]) for p in run["curve"] if p[key] > 0]
             if points:
-                axis.plot(*zip(*points, strict=True), marker=".", label=name, color=f"C{index}")
+                axis.plot(*zip(*points, strict=True), marker=".", label=name, color=plt.cm.tab20(index % 20))
         axis.set_xlabel(label)
         axis.set_ylabel("val loss")
         axis.set_ylim(top=min(3.0, axis.get_ylim()[1]))
@@ -346,30 +373,17 @@ def _plots(anchor: dict) -> list[str]:
             axis.set_xscale("log")
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    figure.suptitle("Anchor task: val loss at equal tokens")
+    figure.suptitle("Anchor task: val loss against tokens, time, synchronisations and bytes")
     figure.tight_layout()
     loss_png = IMAGES / "anchor-loss.png"
     figure.savefig(loss_png, dpi=110)
     plt.close(figure)
 
-    figure, axis = plt.subplots(figsize=(7, 4.2))
-    adloco = runs["AdLoCo"]
-    trainers = sorted({k for b in adloco["batches"] for k in b["batch"]}, key=int)
-    for k in trainers:
-        points = [(b["tokens"], b["batch"][k]) for b in adloco["batches"] if k in b["batch"]]
-        axis.step(*zip(*points, strict=True), where="post", label=f"trainer {k}")
-    axis.set_xlabel("training tokens")
-    axis.set_ylabel("per-worker batch b")
-    axis.set_title("AdLoCo: b per trainer (lines end at merges)")
-    axis.legend()
-    axis.grid(alpha=0.3)
-    figure.tight_layout()
     batch_png = IMAGES / "anchor-adloco-batch.png"
-    figure.savefig(batch_png, dpi=110)
-    plt.close(figure)
+    _batch_plot(plt, runs["AdLoCo"], batch_png)
     return [
-        f"![val loss vs tokens, synchronisations and bytes](images/benchmarks/{loss_png.name})",
-        f"![AdLoCo batch size per trainer](images/benchmarks/{batch_png.name})",
+        f"![val loss vs tokens, wall-clock, synchronisations and bytes](images/benchmarks/{loss_png.name})",
+        f"![AdLoCo batch size and inner lr factor per trainer](images/benchmarks/{batch_png.name})",
     ]
 
 

@@ -19,7 +19,7 @@ from adloco.algorithms.schedules import LR_EXPONENTS, BatchCoupling
 from adloco.algorithms.shares import balanced_split, sample_weights
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.comm.base import Communicator
-from adloco.config import ConfigError, TrainConfig
+from adloco.config import BatchConfig, ConfigError, TrainConfig
 from adloco.pace import CostModel, Pace, time_steps, timed_batches
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
 from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build_strategy
@@ -112,6 +112,16 @@ def resolve_b_max(
         raise ConfigError(f"batch: not even one sample fits in {budget / 2**20:.0f} MiB at context {context}")
     log.info("b_max probe on %s: %d samples per micro-batch fit in %.0f MiB", device, found, budget / 2**20)
     return found
+
+
+def batch_coupling(batch: BatchConfig) -> BatchCoupling:
+    """How a trainer's inner lr and AdamW β2 follow its batch size, as ``batch`` configures it."""
+    return BatchCoupling(
+        b_start=batch.size,
+        lr_exponent=LR_EXPONENTS[batch.lr_scaling],
+        lr_cap=batch.lr_scale_max,
+        scale_beta2=batch.beta2_scaling,
+    )
 
 
 class Cluster:
@@ -214,12 +224,7 @@ class Cluster:
             )
             if batch.controller == "time"
             else None,
-            coupling=BatchCoupling(
-                b_start=batch.size,
-                lr_exponent=LR_EXPONENTS[batch.lr_scaling],
-                lr_cap=batch.lr_scale_max,
-                scale_beta2=batch.beta2_scaling,
-            ),
+            coupling=batch_coupling(batch),
         )
 
     def _worker(self, worker_id: int, template: torch.nn.Module) -> Worker:

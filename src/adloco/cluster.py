@@ -107,7 +107,8 @@ def resolve_b_max(
         meter, budget = ProcessMemoryMeter(), int(batch.memory_budget_mb * 2**20)
     else:
         return batch.b_cap
-    found = probe_b_max(training_step_at(model, context, vocab_size, task), meter, budget, upper=batch.b_cap)
+    step = training_step_at(model, context, vocab_size, task, config.precision)
+    found = probe_b_max(step, meter, budget, upper=batch.b_cap)
     if found == 0:
         raise ConfigError(f"batch: not even one sample fits in {budget / 2**20:.0f} MiB at context {context}")
     log.info("b_max probe on %s: %d samples per micro-batch fit in %.0f MiB", device, found, budget / 2**20)
@@ -166,7 +167,9 @@ class Cluster:
         if batch.step_seconds is not None:
             return CostModel(dict.fromkeys(self.worker_rank, StepCost(*batch.step_seconds)), False, batch.round_seconds)
         worker_id = min(self.workers)
-        step_at = training_step_at(self.workers[worker_id].model, self.context, self.task.vocab_size, self.task)
+        step_at = training_step_at(
+            self.workers[worker_id].model, self.context, self.task.vocab_size, self.task, self.config.precision
+        )
         top = min(batch.b_cap, self.b_max[worker_id])
         cost = time_steps(step_at, timed_batches(min(batch.size, top), top))
         shared = self.comm.gather_worker_scalars({w: [cost.overhead, cost.per_sample] for w in self.workers})
@@ -233,7 +236,7 @@ class Cluster:
             config.seed * _STREAM_SEED_STRIDE + worker_id, worker=worker_id, workers=config.total_workers
         )
         model = copy.deepcopy(template).to(self.device)
-        return Worker(worker_id, model, config.inner, stream, loss_fn=self.task.loss)
+        return Worker(worker_id, model, config.inner, stream, loss_fn=self.task.loss, precision=config.precision)
 
     def owner(self, worker_id: int) -> Trainer:
         return next(t for t in self.trainers.values() if worker_id in t.worker_ids)

@@ -363,6 +363,11 @@ class TrainConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where workers train: cuda when available (one GPU per rank), else cpu."
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Inner steps' forward pass: fp32, or bf16 under autocast (weights, optimizer state, outer "
+        "state, exchanges and evaluation stay float32; runs on CPU and CUDA).",
+    )
     slots_per_rank: int | None = Field(
         None, ge=1, description="Worker slots per rank under torchrun; default: all workers spread evenly."
     )

@@ -16,6 +16,7 @@ import torch
 
 from adloco.algorithms.switch import search_max_batch
 from adloco.model import next_token_loss
+from adloco.precision import autocast_for
 
 if TYPE_CHECKING:
     from adloco.tasks import Task
@@ -103,9 +104,9 @@ def probe_b_max(step: Callable[[int], None], meter: MemoryMeter, budget_bytes: i
 
 
 def training_step_at(
-    model: torch.nn.Module, context: int, vocab_size: int, task: Task | None = None
+    model: torch.nn.Module, context: int, vocab_size: int, task: Task | None = None, precision: str = "fp32"
 ) -> Callable[[int], None]:
-    """A real forward/backward/AdamW step at ``context`` on a scratch copy of ``model``.
+    """A real forward/backward/AdamW step at ``context`` on a scratch copy of ``model``, in the run's precision.
 
     With a ``task`` the step uses the task's batch shape and loss (default: next-token prediction).
     """
@@ -114,14 +115,12 @@ def training_step_at(
     device = next(scratch.parameters()).device
 
     def step(batch: int) -> None:
-        if task is not None:
-            loss = task.loss(scratch, *task.scratch_batch(batch, device))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return
-        tokens = torch.randint(0, vocab_size, (batch, context + 1), device=device)
-        loss = next_token_loss(scratch, tokens[:, :-1], tokens[:, 1:])
+        with autocast_for(precision, device):
+            if task is not None:
+                loss = task.loss(scratch, *task.scratch_batch(batch, device))
+            else:
+                tokens = torch.randint(0, vocab_size, (batch, context + 1), device=device)
+                loss = next_token_loss(scratch, tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -17,6 +17,7 @@ from adloco.algorithms.switch import split_evenly
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
 from adloco.model import next_token_loss
+from adloco.precision import autocast_for
 from adloco.probe import is_out_of_memory
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,10 @@ class Worker:
         inner: InnerConfig,
         stream: TokenStream,
         loss_fn: Callable[..., torch.Tensor] = next_token_loss,
+        precision: str = "fp32",
     ) -> None:
         self.worker_id = worker_id
+        self.precision = precision  # the forward's autocast (adloco.precision); the state stays float32
         self.model = model
         self.stream = stream  # any sample stream of the task: next_batch(size) -> tensors, one row per sample
         self.loss_fn = loss_fn  # the task's mean loss of (model, *batch tensors)
@@ -166,7 +169,8 @@ class Worker:
         loss_sum = 0.0
         offset = start
         for size in split_evenly(count, -(-count // b_max)):
-            loss = self.loss_fn(self.model, *(t[offset : offset + size] for t in data))
+            with autocast_for(self.precision, self.device):
+                loss = self.loss_fn(self.model, *(t[offset : offset + size] for t in data))
             (loss * (size / weight_total)).backward()
             loss_sum += float(loss.detach()) * size
             offset += size

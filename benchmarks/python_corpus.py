@@ -19,6 +19,8 @@ import platform
 import sysconfig
 from pathlib import Path
 
+from adloco.checkpoint import atomic_write_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
@@ -61,11 +63,8 @@ def build(out_dir: Path = ROOT / "runs" / "corpora", stdlib: Path | None = None)
         "characters": sum(len(text) for _, text in sources),
         "sha256": hashlib.sha256(body).hexdigest(),
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for target, data in ((path, body), (info_path, (json.dumps(info, indent=1) + "\n").encode())):
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
+    atomic_write_bytes(path, body)
+    atomic_write_bytes(info_path, (json.dumps(info, indent=1) + "\n").encode())  # last: it marks the corpus whole
     return path, info
 
 

@@ -309,7 +309,7 @@ class Cluster:
         round_samples = self.samples_per_step()
         samples = {w: round_samples[w] for w in self.workers}
         state.weights = self.sample_weights(round_samples)
-        planned_tokens = self.tokens_per_step()
+        planned_tokens = sum(round_samples.values()) * self.context  # tokens_per_step() of this plan
         lr_scale = {w: self.owner(w).lr_scale for w in self.workers}  # b_req holds still through a round
         for trainer in self.trainers.values():
             trainer.couple_inner_optimizers(self.workers)

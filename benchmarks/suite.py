@@ -9,8 +9,8 @@ sensitivity, overlap.
 Each experiment stores its figures (with date and versions) in benchmarks/results/<experiment>.json, and the
 report is written from those files, so every number in docs/benchmarks.md comes from a run of this command.
 Training runs go two at a time with one thread each (a 2-core machine); the overhead measurement runs alone.
-The real-link (network namespaces) and torchft comparisons are separate scripts: benchmarks/link.py and
-benchmarks/peer_torchft.py.
+The real-link (network namespaces) and torchft comparisons and the in-process throughput measurement are
+separate scripts: benchmarks/link.py, benchmarks/peer_torchft.py and benchmarks/throughput.py.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import python_corpus
+import throughput
 from common import ANCHOR_TOKENS, ROOT, describe, environment, train_run
 
 from adloco import build_config
@@ -94,6 +95,7 @@ EXPERIMENTS: dict[str, dict[str, list[str]]] = {
 SCRIPTS = {
     "link": ["link.py", "--tokens", "128000"],
     "torchft": ["peer_torchft.py", "--tokens", "96000", "--repeats", "3"],
+    "throughput": ["throughput.py", "--default-run"],
 }
 ALL = [*EXPERIMENTS, "overhead", *SCRIPTS]
 
@@ -443,6 +445,9 @@ def report() -> str:
             f"Ratio of medians: **{over['ratio']:.3f}**.",
             "",
         ]
+    stacked = _load("throughput")
+    if stacked:
+        out += [*throughput.markdown(stacked), "Details: [throughput.md](throughput.md).", ""]
     for title, result, text in (
         (
             "Ablations of AdLoCo",

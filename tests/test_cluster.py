@@ -7,6 +7,7 @@ from adloco.cluster import Cluster
 from adloco.comm import LocalCommunicator
 from adloco.config import build_config
 from adloco.training import _tokenizer_and_task
+from tests.conftest import PINNED_PACE as PINNED
 
 TINY = ["model.context=16", "batch.size=3", "batch.b_max=64", "threads=1", "run.progress=false"]
 
@@ -102,3 +103,21 @@ def test_keep_round_time_scales_h_by_the_samples_a_step_reads():
     fixed = _cluster(["method=diloco", "workers=2", "sync_every=12"])
     next(iter(fixed.trainers.values())).batch_size = 12
     assert fixed.inner_steps_per_round() == 12
+
+
+@pytest.mark.parametrize("method", ["diloco", "ddp", "adloco"])
+def test_batched_workers_take_the_rounds_of_workers_one_by_one(method):
+    """The hosted workers run as one stacked group (statistics steps and all) and θ follows the one-by-one
+    cluster within the worker group's tolerance (tests/test_worker_group.py)."""
+    common = [f"method={method}", "workers=3", "sync_every=3", "inner.clip=0.05", *PINNED]
+    batched, alone = _cluster([*common, "batched_workers=true"]), _cluster([*common, "batched_workers=false"])
+    assert [g.worker_ids for g in batched.groups] == [[0, 1, 2]] and alone.groups == []
+    for cluster in (batched, alone):
+        for round_index in range(2):
+            cluster.run_round(round_index, 3, lambda step: 2e-3)
+    for mine, theirs in zip(batched.trainers[0].theta, alone.trainers[0].theta, strict=True):
+        assert torch.allclose(mine, theirs, rtol=1e-5, atol=1e-7)
+    start = _cluster(common).trainers[0].theta
+    assert (
+        max(float((mine - first).abs().max()) for mine, first in zip(batched.trainers[0].theta, start, strict=True)) > 0
+    )

@@ -11,32 +11,46 @@ from adloco.config import build_config
 from adloco.metrics import read_metrics
 from adloco.training import NonFiniteError, train
 from adloco.worker import Worker
+from adloco.worker_group import WorkerGroup
 
 
 def _poison(monkeypatch, should_fail):
-    """Make chosen calls of Worker.compute_gradients produce a NaN loss and NaN gradients."""
-    original = Worker.compute_gradients
+    """Make chosen calls of a worker's gradient computation (one by one, or its slice of a stacked worker group)
+    produce a NaN loss and NaN gradients."""
+    original, original_group = Worker.compute_gradients, WorkerGroup.compute_gradients
     calls = collections.Counter()
+
+    def spoil(worker, result):
+        calls[worker.worker_id] += 1
+        if should_fail(worker.worker_id, calls[worker.worker_id]):
+            worker.params[0].grad.fill_(float("nan"))
+            result.loss, result.finite = float("nan"), False
 
     def patched(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        calls[self.worker_id] += 1
-        if should_fail(self.worker_id, calls[self.worker_id]):
-            self.params[0].grad.fill_(float("nan"))
-            result.loss, result.finite = float("nan"), False
+        spoil(self, result)
         return result
 
+    def patched_group(self, *args, **kwargs):
+        results = original_group(self, *args, **kwargs)
+        for worker, result in zip(self.workers, results, strict=True):
+            spoil(worker, result)
+        return results
+
     monkeypatch.setattr(Worker, "compute_gradients", patched)
+    monkeypatch.setattr(WorkerGroup, "compute_gradients", patched_group)
 
 
 def _rounds(run_dir):
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "round"]
 
 
-@pytest.mark.parametrize("method", ["diloco", "streaming", "ddp"])
-def test_a_failing_worker_is_left_out_and_training_goes_on(method, fast_overrides, monkeypatch):
+@pytest.mark.parametrize(
+    ("method", "batched"), [("diloco", "true"), ("diloco", "false"), ("streaming", "true"), ("ddp", "true")]
+)
+def test_a_failing_worker_is_left_out_and_training_goes_on(method, batched, fast_overrides, monkeypatch):
     _poison(monkeypatch, lambda worker, call: worker == 1 and call == 6)  # round 1, second step
-    result = train(build_config(overrides=[*fast_overrides, f"method={method}"]))
+    result = train(build_config(overrides=[*fast_overrides, f"method={method}", f"batched_workers={batched}"]))
     rounds = _rounds(result.run_dir)
     assert rounds[1]["failed_workers"] == [1] and rounds[1]["skipped_trainers"] == []
     assert all(r["failed_workers"] == [] for i, r in enumerate(rounds) if i != 1)

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from adloco import build_config, train
+from adloco import build_config, stacked, train
 from adloco.errors import ConfigError
-from adloco.precision import autocast_for
+from adloco.precision import adamw_kernel, autocast_for, configure_matmuls
 from tests.conftest import final_params
 
 
@@ -17,23 +17,36 @@ def test_fp32_leaves_matmuls_alone_and_bf16_lowers_them():
         assert layer(x).dtype == torch.bfloat16
 
 
-def _train_recording_linear_dtypes(overrides: list[str]) -> tuple[object, set[torch.dtype]]:
+def _train_recording_linear_dtypes(overrides: list[str], monkeypatch) -> tuple[object, set[torch.dtype]]:
+    """A run, and the dtypes its training steps' linear layers computed in: the modules of workers that run one
+    by one, and the batched matmuls of a stacked worker group."""
     seen: set[torch.dtype] = set()
 
     def record(module, inputs, output):
         if isinstance(module, torch.nn.Linear) and torch.is_grad_enabled():  # training steps, not evaluation
             seen.add(output.dtype)
 
+    linear = stacked._linear
+
+    def record_stacked(hidden, weight):
+        output = linear(hidden, weight)
+        seen.add(output.dtype)
+        return output
+
     handle = torch.nn.modules.module.register_module_forward_hook(record)
     try:
-        return train(build_config(overrides=overrides)), seen
+        with monkeypatch.context() as patch:
+            patch.setattr(stacked, "_linear", record_stacked)
+            return train(build_config(overrides=overrides)), seen
     finally:
         handle.remove()
 
 
-def test_bf16_trains_under_autocast_with_float32_weights(fast_overrides):
-    fp32, fp32_dtypes = _train_recording_linear_dtypes([*fast_overrides, "total_tokens=2048"])
-    bf16, bf16_dtypes = _train_recording_linear_dtypes([*fast_overrides, "total_tokens=2048", "precision=bf16"])
+@pytest.mark.parametrize("batched", ["true", "false"])
+def test_bf16_trains_under_autocast_with_float32_weights(batched, fast_overrides, monkeypatch):
+    common = [*fast_overrides, "total_tokens=2048", f"batched_workers={batched}"]
+    fp32, fp32_dtypes = _train_recording_linear_dtypes(common, monkeypatch)
+    bf16, bf16_dtypes = _train_recording_linear_dtypes([*common, "precision=bf16"], monkeypatch)
     assert fp32_dtypes == {torch.float32} and bf16_dtypes == {torch.bfloat16}
     params = final_params(bf16.run_dir)
     assert all(t.dtype == torch.float32 for t in params.values())  # master weights (and what was exchanged)
@@ -43,3 +56,14 @@ def test_bf16_trains_under_autocast_with_float32_weights(fast_overrides):
 def test_an_unknown_precision_is_a_config_error():
     with pytest.raises(ConfigError, match="precision"):
         build_config(overrides=["precision=fp16"])
+
+
+def test_cuda_speed_switches_leave_the_cpu_path_as_it_was():
+    """TF32 and fused AdamW are for CUDA; on CPU the matmul flags stay and AdamW stays the single-tensor loop
+    that a worker group's stacked update repeats."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    configure_matmuls(torch.device("cpu"), tf32=not before)
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    assert adamw_kernel(torch.device("cpu")) == {"foreach": False}
+    assert adamw_kernel(torch.device("cuda", 0)) == {"fused": True}
+    assert build_config().tf32 and not build_config(overrides=["tf32=false"]).tf32

@@ -368,6 +368,17 @@ class TrainConfig(BaseModel):
         description="Inner steps' forward pass: fp32, or bf16 under autocast (weights, optimizer state, outer "
         "state, exchanges and evaluation stay float32; runs on CPU and CUDA).",
     )
+    tf32: bool = Field(
+        True,
+        description="CUDA only: float32 matmuls and convolutions on TF32 tensor cores (10-bit-mantissa products, "
+        "float32 accumulation). No effect on CPU.",
+    )
+    batched_workers: bool = Field(
+        True,
+        description="Run the workers a rank hosts as one stacked computation (one forward, backward and AdamW "
+        "update for all) where they can: LLaMA language models, same micro-batches. Each worker's numbers equal "
+        "the one-by-one path's within float rounding (docs/throughput.md); false: one worker at a time.",
+    )
     slots_per_rank: int | None = Field(
         None, ge=1, description="Worker slots per rank under torchrun; default: all workers spread evenly."
     )
@@ -572,9 +583,19 @@ def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None
 RUN_CONFIG_FILE = "config.yaml"  # the resolved config, written into every run directory
 
 
-# What may change when a run resumes: the budget, cadences, and how the run is watched and kept. Anything else
-# (workers, model, data, method, optimizers...) would not fit the checkpoint's state or would change its numbers.
-RESUME_SAFE_KEYS = ("total_tokens", "threads", "comm.timeout_s", "checkpoint.*", "eval.*", "run.*")
+# What may change when a run resumes: the budget, cadences, how the run is watched and kept, and how its arithmetic
+# is carried out (threads, TF32, stacked workers: the same math, at most other rounding). Anything else (workers,
+# model, data, method, optimizers...) would not fit the checkpoint's state or would change its numbers.
+RESUME_SAFE_KEYS = (
+    "total_tokens",
+    "threads",
+    "tf32",
+    "batched_workers",
+    "comm.timeout_s",
+    "checkpoint.*",
+    "eval.*",
+    "run.*",
+)
 
 
 def resume_safe(key: str) -> bool:

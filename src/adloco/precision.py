@@ -20,3 +20,17 @@ def autocast_for(precision: str, device: torch.device) -> AbstractContextManager
     if dtype is None:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def configure_matmuls(device: torch.device, tf32: bool) -> None:
+    """On CUDA, whether float32 matmuls and convolutions may run on TF32 tensor cores (products with a 10-bit
+    mantissa, float32 accumulation); CPU matmuls are left alone."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+def adamw_kernel(device: torch.device) -> dict[str, bool]:
+    """How a worker's AdamW runs on ``device``: fused on CUDA (one kernel for all tensors); on CPU the
+    single-tensor loop, whose element-wise operations a worker group's stacked update repeats exactly."""
+    return {"fused": True} if device.type == "cuda" else {"foreach": False}

@@ -47,6 +47,7 @@ from adloco.data import (
     training_texts,
 )
 from adloco.metrics import MetricsWriter, RunDisplay, memory_snapshot
+from adloco.precision import configure_matmuls
 from adloco.preflight import check_rank_memory
 from adloco.runs import RunLock, lock_run
 from adloco.stopping import Interrupted, Stopped, StopSignals, where_to_resume
@@ -173,7 +174,9 @@ def resolve_device(config: TrainConfig) -> torch.device:
         raise ConfigError("device: cuda was asked for but no CUDA device is available")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    device = torch.device("cuda", local_rank)
+    configure_matmuls(device, config.tf32)
+    return device
 
 
 def _job_pointer(config: TrainConfig) -> Path | None:

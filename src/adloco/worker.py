@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from adloco.algorithms.batch_tests import GradientStatistics, statistics_from_gram, statistics_from_norms
+from adloco.algorithms.batch_tests import GradientStatistics, GroupedGradient
 from adloco.algorithms.flat import flatten, unflatten
 from adloco.algorithms.switch import split_evenly
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
 from adloco.model import next_token_loss
-from adloco.precision import autocast_for
+from adloco.precision import adamw_kernel, autocast_for
 from adloco.probe import is_out_of_memory
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Worker:
             lr=inner.lr,
             betas=(inner.beta1, inner.beta2),
             eps=inner.eps,
-            foreach=False,
+            **adamw_kernel(self.device),
         )
         self.beta2 = inner.beta2  # the configured one; a trainer's batch coupling derives the one in use
         self.last_gradient: torch.Tensor | None = None
@@ -84,6 +84,7 @@ class Worker:
         stats_groups: int | None = None,
         gram: bool = False,
         keep_gradient: bool = False,
+        data: tuple[torch.Tensor, ...] | None = None,
     ) -> StepResult:
         """Accumulate the mean gradient of one inner step over ``samples`` samples into ``.grad``, in
         micro-batches of at most ``b_max``.
@@ -91,11 +92,12 @@ class Worker:
         With ``stats_groups`` those samples (at least 2) are split into groups whose gradients give the
         per-sample variance estimate at no extra compute. Samples are drawn once, so an out-of-memory retry
         with half the micro-batch sees the same data and the step is never lost; the result reports the cap
-        that worked.
+        that worked. ``data``: samples already drawn from the stream (a stacked step that did not fit).
         """
         if stats_groups is not None:
             samples = max(samples, 2)
-        data = tuple(t.to(self.device) for t in self.stream.next_batch(samples))
+        if data is None:
+            data = tuple(t.to(self.device) for t in self.stream.next_batch(samples))
         while True:
             try:
                 result = self._accumulate(data, b_max, stats_groups, gram, keep_gradient)
@@ -132,30 +134,19 @@ class Worker:
             return StepResult(loss=loss, samples=batch, tokens=tokens)
 
         sizes = split_evenly(batch, min(batch, stats_groups))
-        group_means: list[torch.Tensor] = []
-        total = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32, device=self.device)
-        weighted_sq = 0.0
+        grouped = GroupedGradient(sizes, sum(p.numel() for p in self.params), gram, self.device)
         loss = 0.0
         start = 0
         for size in sizes:
             self.optimizer.zero_grad(set_to_none=True)
             group_loss = self._backward_samples(data, start, start + size, size, b_max)
-            group_mean = self._flat_gradient()
+            grouped.add(self._flat_gradient(), size)
             loss += group_loss * size / batch
-            weighted_sq += size * float(group_mean.double().square().sum())
-            total.add_(group_mean, alpha=size / batch)
-            if gram:
-                group_means.append(group_mean)
             start += size
-        self._set_flat_gradient(total)
-        if gram:
-            stacked = torch.stack(group_means).double()
-            statistics = statistics_from_gram(stacked @ stacked.T, sizes)
-        else:
-            statistics = statistics_from_norms(weighted_sq, float(total.double().square().sum()), sizes)
+        self._set_flat_gradient(grouped.total)
         if keep_gradient:
-            self.last_gradient = total.clone()
-        return StepResult(loss=loss, samples=batch, tokens=tokens, statistics=statistics)
+            self.last_gradient = grouped.total.clone()
+        return StepResult(loss=loss, samples=batch, tokens=tokens, statistics=grouped.statistics())
 
     def _backward_samples(
         self, data: tuple[torch.Tensor, ...], start: int, stop: int, weight_total: int, b_max: int
@@ -210,7 +201,8 @@ class Worker:
         """Inner state; the parameters only where they can differ from θ at a round boundary (streaming)."""
         return {
             "params": [p.detach().cpu().clone() for p in self.params] if with_params else None,
-            "optimizer": self.optimizer.state_dict(),
+            # a copy: a worker group's moments are views into its stacked tensors, which a save must not alias
+            "optimizer": _copied(self.optimizer.state_dict()),
             "stream": self.stream.state_dict(),
         }
 
@@ -219,3 +211,13 @@ class Worker:
         self.stream.load_state_dict(state["stream"])
         if state.get("params") is not None:
             self.load_params(state["params"])
+
+
+def _copied(state: dict) -> dict:
+    """An optimizer state dict whose tensors own their memory."""
+    return {
+        "state": {
+            k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in state["state"].items()
+        },
+        "param_groups": state["param_groups"],
+    }

@@ -476,3 +476,27 @@ class BatchSizeController:
             raise ValueError(f"unexpected BatchSizeController state keys: {sorted(state)}")
         self.rounds = int(state["rounds"])
         self._smoothed = {k: (None if v is None else float(v)) for k, v in state["smoothed"].items()}
+
+
+class GroupedGradient:
+    """The mean gradient of a step whose samples came in groups, and the step's statistics from the groups'
+    mean gradients: fed one group at a time, so only the Gram test keeps every group's gradient."""
+
+    def __init__(self, sizes: Sequence[int], numel: int, gram: bool, device: torch.device) -> None:
+        self.sizes, self.batch, self.gram = list(sizes), sum(sizes), gram
+        self.total = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.weighted_sq = 0.0
+        self.group_means: list[torch.Tensor] = []
+
+    def add(self, group_mean: torch.Tensor, size: int) -> None:
+        """One group's mean gradient (flat) over its ``size`` samples."""
+        self.weighted_sq += size * float(group_mean.double().square().sum())
+        self.total.add_(group_mean, alpha=size / self.batch)
+        if self.gram:
+            self.group_means.append(group_mean)
+
+    def statistics(self) -> GradientStatistics:
+        if self.gram:
+            stacked = torch.stack(self.group_means).double()
+            return statistics_from_gram(stacked @ stacked.T, self.sizes)
+        return statistics_from_norms(self.weighted_sq, float(self.total.double().square().sum()), self.sizes)

@@ -1,0 +1,224 @@
+"""Workers of one rank run as one computation: their parameters, gradients and AdamW moments live in tensors
+stacked along a leading worker dimension, and each worker's model and optimizer hold views into them.
+
+Every worker keeps its own numbers (data stream, loss, gradient, clipping, moments); the group only changes how
+they are computed: one stacked forward and backward (``adloco.stacked``) and one stacked AdamW update
+(``adloco.algorithms.adamw``) instead of W of each. Where workers differ in what a step needs (learning rate,
+β2, step count) or a step needs more than a plain gradient (statistics groups), the caller falls back to the
+workers one by one, which reads and writes the same views.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+
+from adloco.algorithms.adamw import AdamWSettings, adamw_stacked, clip_stacked
+from adloco.algorithms.batch_tests import GradientStatistics, GroupedGradient
+from adloco.algorithms.flat import flatten, unflatten
+from adloco.algorithms.switch import split_evenly
+from adloco.precision import autocast_for
+from adloco.probe import is_out_of_memory
+from adloco.stacked import StackedLlama, unsupported_reason
+from adloco.worker import StepResult, Worker
+
+log = logging.getLogger(__name__)
+
+
+def stacking_blocker(workers: Sequence[Worker]) -> str | None:
+    """Why these workers cannot run as one group (None when they can)."""
+    if len(workers) < 2:
+        return "a rank with one worker has nothing to stack"
+    reason = unsupported_reason(workers[0].model, workers[0].loss_fn)
+    if reason is not None:
+        return reason
+    first = workers[0]
+    shapes = [tuple(p.shape) for p in first.params]
+    for worker in workers[1:]:
+        if [tuple(p.shape) for p in worker.params] != shapes or worker.device != first.device:
+            return "the workers' models differ in shape or device"
+        if worker.loss_fn is not first.loss_fn or worker.precision != first.precision:
+            return "the workers differ in loss or precision"
+    return None
+
+
+class WorkerGroup:
+    """W workers of one model shape on one device, computed and stepped as one."""
+
+    def __init__(self, workers: Sequence[Worker]) -> None:
+        reason = stacking_blocker(workers)
+        if reason is not None:
+            raise ValueError(f"these workers cannot be stacked: {reason}")
+        self.workers = list(workers)
+        self.worker_ids = [w.worker_id for w in self.workers]
+        first = self.workers[0]
+        self.device, self.precision, self.clip = first.device, first.precision, first.clip
+        self.forward = StackedLlama(first.model)
+        with torch.no_grad():
+            self.params = [torch.stack([w.params[i].detach() for w in self.workers]) for i in range(len(first.params))]
+        for k, worker in enumerate(self.workers):
+            for i, p in enumerate(worker.params):
+                p.data = self.params[i][k]  # the worker's parameter is now a view into the stack
+        for stacked in self.params:
+            stacked.requires_grad_(True)
+        self.exp_avgs = [torch.zeros_like(p) for p in self.params]
+        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params]
+        # AdamW keeps its step counts on the CPU, fused AdamW on the device
+        on = self.device if first.optimizer.defaults.get("fused") else torch.device("cpu")
+        self.steps = [torch.zeros(len(self.workers), device=on) for _ in self.params]
+        decay_of = {id(p): g["weight_decay"] for g in first.optimizer.param_groups for p in g["params"]}
+        self.weight_decay = [decay_of[id(p)] for p in first.params]
+        for k in range(len(self.workers)):
+            self._bind_state(k)
+
+    def _bind_state(self, k: int) -> None:
+        """Point worker k's AdamW state at its slices of the stack, taking over whatever state it holds now
+        (a resumed checkpoint's, or none after a reset)."""
+        optimizer = self.workers[k].optimizer
+        for i, p in enumerate(self.workers[k].params):
+            held = optimizer.state.get(p, {})
+            bound = {"step": self.steps[i][k], "exp_avg": self.exp_avgs[i][k], "exp_avg_sq": self.exp_avg_sqs[i][k]}
+            if held.get("exp_avg") is bound["exp_avg"]:
+                continue
+            with torch.no_grad():
+                for key, view in bound.items():
+                    view.copy_(held[key]) if key in held else view.zero_()
+            optimizer.state[p] = bound
+
+    def compute_gradients(
+        self, samples: int, b_max: int, stats_groups: int | None = None, gram: bool = False
+    ) -> list[StepResult]:
+        """Each worker's mean gradient over ``samples`` of its own samples, in micro-batches of at most ``b_max``,
+        left in its ``.grad``; with ``stats_groups``, also its gradient statistics (as ``Worker.compute_gradients``
+        computes them). Where the stacked step does not fit in memory, the same samples go through the workers one
+        at a time (each of which halves its micro-batch as it needs)."""
+        if stats_groups is not None:
+            samples = max(samples, 2)
+        data = [tuple(t.to(self.device) for t in w.stream.next_batch(samples)) for w in self.workers]
+        stacked = tuple(torch.stack(parts) for parts in zip(*data, strict=True))
+        try:
+            losses, statistics = self._accumulate(stacked, b_max, stats_groups, gram)
+        except (RuntimeError, torch.OutOfMemoryError) as error:
+            if not is_out_of_memory(error):
+                raise
+            log.warning("workers %s do not fit stacked; taking the step one worker at a time", self.worker_ids)
+            self._clear_gradients()
+            return [
+                w.compute_gradients(samples, b_max, stats_groups=stats_groups, gram=gram, data=d)
+                for w, d in zip(self.workers, data, strict=True)
+            ]
+        finite = torch.stack([torch.isfinite(p.grad).flatten(1).all(dim=1) for p in self.params]).all(dim=0)
+        tokens = data[0][0].numel()
+        return [
+            StepResult(loss, samples, tokens, stats, finite=ok and math.isfinite(loss), b_max=b_max)
+            for loss, stats, ok in zip(losses, statistics, finite.tolist(), strict=True)
+        ]
+
+    def _accumulate(
+        self, data: tuple[torch.Tensor, ...], b_max: int, stats_groups: int | None, gram: bool
+    ) -> tuple[list[float], list[GradientStatistics | None]]:
+        """The step's backward passes: over all samples at once, or group by group for the statistics."""
+        batch = data[0].size(1)
+        self._clear_gradients()
+        if stats_groups is None:
+            losses = self._backward(data, 0, batch, batch, b_max)
+            self._lend_gradients()
+            return losses, [None] * len(self.workers)
+        sizes = split_evenly(batch, min(batch, stats_groups))
+        numel = sum(p[0].numel() for p in self.params)
+        grouped = [GroupedGradient(sizes, numel, gram, self.device) for _ in self.workers]
+        losses = [0.0] * len(self.workers)
+        start = 0
+        for size in sizes:
+            self._clear_gradients()
+            group_losses = self._backward(data, start, start + size, size, b_max)
+            for k, accumulator in enumerate(grouped):
+                accumulator.add(flatten([p.grad[k] for p in self.params]), size)
+                losses[k] += group_losses[k] * size / batch
+            start += size
+        totals = [unflatten(accumulator.total, [p[0] for p in self.params]) for accumulator in grouped]
+        for i, stacked in enumerate(self.params):
+            stacked.grad = torch.stack([total[i] for total in totals])
+        self._lend_gradients()
+        return losses, [accumulator.statistics() for accumulator in grouped]
+
+    def _backward(
+        self, data: tuple[torch.Tensor, ...], start: int, stop: int, weight_total: int, b_max: int
+    ) -> list[float]:
+        """Backward over samples [start, stop) of every worker in micro-batches of at most ``b_max``, each weighted
+        by its share of ``weight_total`` (``Worker._backward_samples`` for W workers at once); mean losses."""
+        count = stop - start
+        loss_sums = torch.zeros(len(self.workers), dtype=torch.float64)
+        offset = start
+        for size in split_evenly(count, -(-count // b_max)):
+            with autocast_for(self.precision, self.device):
+                losses = self.forward.losses(self.params, *(t[:, offset : offset + size] for t in data))
+            (losses.sum() * (size / weight_total)).backward()
+            loss_sums += losses.detach().double().cpu() * size
+            offset += size
+        return (loss_sums / count).tolist()
+
+    def _lend_gradients(self) -> None:
+        """Each worker's ``.grad`` becomes its slice of the stacked gradient."""
+        for k, worker in enumerate(self.workers):
+            for stacked, p in zip(self.params, worker.params, strict=True):
+                p.grad = stacked.grad[k]
+
+    def _clear_gradients(self) -> None:
+        for stacked in self.params:
+            stacked.grad = None
+        for worker in self.workers:
+            worker.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, lrs: Sequence[float]) -> bool:
+        """Clip and apply one AdamW step to every worker at once (lr ``lrs[k]`` for worker k). False, with nothing
+        changed, where the workers cannot share one update: their lr, β2 or step counts differ, or a gradient is
+        missing; the caller then steps them one by one."""
+        for k in range(len(self.workers)):
+            self._bind_state(k)
+        settings = self._settings(lrs)
+        steps = torch.stack(self.steps)
+        if settings is None or bool((steps != steps[0, 0]).any()):
+            return False
+        grads = self._gathered_gradients()
+        if grads is None:
+            return False
+        if self.clip is not None:
+            clip_stacked(grads, self.clip)
+        params = [p.detach() for p in self.params]
+        step = int(steps[0, 0]) + 1
+        adamw_stacked(params, grads, self.exp_avgs, self.exp_avg_sqs, step, self.weight_decay, settings)
+        for count in self.steps:
+            count.add_(1)
+        for worker in self.workers:  # as Worker.step leaves it: a checkpoint saves the lr last used
+            for group in worker.optimizer.param_groups:
+                group["lr"] = settings.lr
+        self._clear_gradients()
+        return True
+
+    def _settings(self, lrs: Sequence[float]) -> AdamWSettings | None:
+        groups = [g for w in self.workers for g in w.optimizer.param_groups]
+        betas = {tuple(g["betas"]) for g in groups}
+        eps = {g["eps"] for g in groups}
+        if len(set(lrs)) != 1 or len(betas) != 1 or len(eps) != 1:
+            return None
+        (beta1, beta2), (only_eps,) = betas.pop(), eps
+        return AdamWSettings(lr=lrs[0], beta1=beta1, beta2=beta2, eps=only_eps)
+
+    def _gathered_gradients(self) -> list[torch.Tensor] | None:
+        """The workers' gradients in the stack: where a sync strategy replaced a worker's ``.grad`` (an
+        all-reduce), its values are copied in."""
+        grads = []
+        for i, stacked in enumerate(self.params):
+            target = stacked.grad if stacked.grad is not None else torch.zeros_like(stacked)
+            for k, worker in enumerate(self.workers):
+                grad = worker.params[i].grad
+                if grad is None:
+                    return None
+                if grad.data_ptr() != target[k].data_ptr():
+                    target[k].copy_(grad)
+            grads.append(target)
+        return grads

@@ -58,11 +58,13 @@ def _tokens(preset: str, count: int) -> int:
 
 
 def steady_tokens_per_second(metrics: Path) -> float:
-    """Tokens over seconds of a run's rounds, without its first and last."""
-    rounds = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "round"][1:-1]
-    if not rounds:
+    """Tokens over seconds of a run's rounds, without its first and last (a round record's tokens are the run's
+    total so far)."""
+    rounds = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "round"]
+    if len(rounds) < 3:
         raise SystemExit(f"{metrics}: too few rounds to time")
-    return sum(r["tokens"] for r in rounds) / sum(r["round_seconds"] for r in rounds)
+    tokens = rounds[-2]["tokens"] - rounds[0]["tokens"]
+    return tokens / sum(r["round_seconds"] for r in rounds[1:-1])
 
 
 def measure(presets: list[str], counts: list[int], repeats: int) -> dict:

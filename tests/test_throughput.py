@@ -26,7 +26,8 @@ def test_every_cell_compares_one_worker_with_the_same_batch_one_by_one_and_stack
 
 def test_a_run_is_timed_without_its_first_and_last_rounds(tmp_path):
     records = [{"kind": "step"}] + [
-        {"kind": "round", "tokens": 100, "round_seconds": seconds} for seconds in (9.0, 1.0, 3.0, 9.0)
+        {"kind": "round", "tokens": 100 * (i + 1), "round_seconds": seconds}
+        for i, seconds in enumerate((9.0, 1.0, 3.0, 9.0))
     ]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("\n".join(json.dumps(r) for r in records))

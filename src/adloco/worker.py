@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from adloco.algorithms.batch_tests import GradientStatistics, GroupedGradient
-from adloco.algorithms.flat import flatten, unflatten
+from adloco.algorithms.flat import finite_rows, flatten, unflatten
 from adloco.algorithms.switch import split_evenly
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
@@ -101,9 +101,9 @@ class Worker:
         while True:
             try:
                 result = self._accumulate(data, b_max, stats_groups, gram, keep_gradient)
-                grads = [p.grad for p in self.params if p.grad is not None]
+                grads = [p.grad.reshape(1, -1) for p in self.params if p.grad is not None]
                 # one host sync for the whole model rather than one per tensor
-                finite_grads = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+                finite_grads = bool(finite_rows(grads)) if grads else True
                 result.finite = math.isfinite(result.loss) and finite_grads
                 result.b_max = b_max
                 return result

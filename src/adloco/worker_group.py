@@ -18,7 +18,7 @@ import torch
 
 from adloco.algorithms.adamw import AdamWSettings, adamw_stacked, clip_stacked
 from adloco.algorithms.batch_tests import GradientStatistics, GroupedGradient
-from adloco.algorithms.flat import flatten, unflatten
+from adloco.algorithms.flat import finite_rows, flatten, unflatten
 from adloco.algorithms.switch import split_evenly
 from adloco.precision import autocast_for
 from adloco.probe import is_out_of_memory
@@ -66,27 +66,35 @@ class WorkerGroup:
             stacked.requires_grad_(True)
         self.exp_avgs = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params]
+        self.scratch = [torch.empty_like(p) for p in self.params]  # AdamW's denominators, reused every step
         # AdamW keeps its step counts on the CPU, fused AdamW on the device
         on = self.device if first.optimizer.defaults.get("fused") else torch.device("cpu")
         self.steps = [torch.zeros(len(self.workers), device=on) for _ in self.params]
         decay_of = {id(p): g["weight_decay"] for g in first.optimizer.param_groups for p in g["params"]}
         self.weight_decay = [decay_of[id(p)] for p in first.params]
+        self.bound = [
+            [
+                {"step": self.steps[i][k], "exp_avg": self.exp_avgs[i][k], "exp_avg_sq": self.exp_avg_sqs[i][k]}
+                for i in range(len(self.params))
+            ]
+            for k in range(len(self.workers))
+        ]
         for k in range(len(self.workers)):
             self._bind_state(k)
 
     def _bind_state(self, k: int) -> None:
         """Point worker k's AdamW state at its slices of the stack, taking over whatever state it holds now
         (a resumed checkpoint's, or none after a reset)."""
-        optimizer = self.workers[k].optimizer
-        for i, p in enumerate(self.workers[k].params):
-            held = optimizer.state.get(p, {})
-            bound = {"step": self.steps[i][k], "exp_avg": self.exp_avgs[i][k], "exp_avg_sq": self.exp_avg_sqs[i][k]}
-            if held.get("exp_avg") is bound["exp_avg"]:
-                continue
-            with torch.no_grad():
-                for key, view in bound.items():
+        optimizer, params, bound = self.workers[k].optimizer, self.workers[k].params, self.bound[k]
+        # A resume or a reset replaces or clears the whole state, so the first tensor tells whether it is still bound.
+        if optimizer.state.get(params[0]) is bound[0]:
+            return
+        with torch.no_grad():
+            for p, views in zip(params, bound, strict=True):
+                held = optimizer.state.get(p, {})
+                for key, view in views.items():
                     view.copy_(held[key]) if key in held else view.zero_()
-            optimizer.state[p] = bound
+                optimizer.state[p] = views
 
     def compute_gradients(
         self, samples: int, b_max: int, stats_groups: int | None = None, gram: bool = False
@@ -110,7 +118,7 @@ class WorkerGroup:
                 w.compute_gradients(samples, b_max, stats_groups=stats_groups, gram=gram, data=d)
                 for w, d in zip(self.workers, data, strict=True)
             ]
-        finite = torch.stack([torch.isfinite(p.grad).flatten(1).all(dim=1) for p in self.params]).all(dim=0)
+        finite = finite_rows([p.grad for p in self.params])
         tokens = data[0][0].numel()
         return [
             StepResult(loss, samples, tokens, stats, finite=ok and math.isfinite(loss), b_max=b_max)
@@ -190,7 +198,7 @@ class WorkerGroup:
             clip_stacked(grads, self.clip)
         params = [p.detach() for p in self.params]
         step = int(steps[0, 0]) + 1
-        adamw_stacked(params, grads, self.exp_avgs, self.exp_avg_sqs, step, self.weight_decay, settings)
+        adamw_stacked(params, grads, self.exp_avgs, self.exp_avg_sqs, step, self.weight_decay, settings, self.scratch)
         for count in self.steps:
             count.add_(1)
         for worker in self.workers:  # as Worker.step leaves it: a checkpoint saves the lr last used

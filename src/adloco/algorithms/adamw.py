@@ -49,19 +49,24 @@ def adamw_stacked(
     step: int,
     weight_decay: Sequence[float],
     settings: AdamWSettings,
+    scratch: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """One AdamW step (decoupled weight decay, bias-corrected moments) on stacked tensors, in place.
 
-    ``step`` is the step number being taken (1 for the first); ``weight_decay`` has one entry per tensor.
+    ``step`` is the step number being taken (1 for the first); ``weight_decay`` has one entry per tensor;
+    ``scratch``, tensors shaped like ``params`` for the denominators (saves allocating them every step).
     The operations are those of torch's single-tensor AdamW, element by element.
     """
     lr, beta1, beta2, eps = settings.lr, settings.beta1, settings.beta2, settings.eps
     step_size = lr / (1 - beta1**step)
     correction2 = (1 - beta2**step) ** 0.5
-    for param, grad, exp_avg, exp_avg_sq, decay in zip(params, grads, exp_avgs, exp_avg_sqs, weight_decay, strict=True):
+    buffers = scratch if scratch is not None else [torch.empty_like(p) for p in params]
+    for param, grad, exp_avg, exp_avg_sq, decay, denom in zip(
+        params, grads, exp_avgs, exp_avg_sqs, weight_decay, buffers, strict=True
+    ):
         if decay != 0:
             param.mul_(1 - lr * decay)
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (exp_avg_sq.sqrt() / correction2).add_(eps)
+        torch.sqrt(exp_avg_sq, out=denom).div_(correction2).add_(eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)

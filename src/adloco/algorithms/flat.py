@@ -21,3 +21,12 @@ def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
     if offset != flat.numel():
         raise ValueError(f"a flat buffer of {flat.numel()} elements does not hold tensors of {offset} elements")
     return out
+
+
+def finite_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """For each index of the tensors' leading dimension, whether all their elements there are finite.
+
+    NaN and ±inf show in a row's minimum or maximum, so one reduction pass suffices (no full-size mask).
+    """
+    extremes = [torch.stack(torch.aminmax(t.flatten(1), dim=1)) for t in tensors]
+    return torch.isfinite(torch.cat(extremes)).all(dim=0)

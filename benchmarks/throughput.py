@@ -3,6 +3,7 @@ worker of batch 3·M (the same model, tokens per step and threads).
 
     python benchmarks/throughput.py --write             # measure; results/throughput.json, docs, plot
     python benchmarks/throughput.py --default-run --write   # also the default `adloco train`, before and after
+    python benchmarks/throughput.py --report            # docs and plot again from the stored results
 
 Runs go one at a time with two threads, in interleaved order (A B C A B C ...), and report the median of the
 repeats' steady-state tokens/s (the first and last rounds of a run are left out: start-up and the final round).
@@ -141,7 +142,7 @@ def plot(result: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    presets = sorted({cell.split(" × ")[0] for cell in result["rates"]})
+    presets = list(dict.fromkeys(cell.split(" × ")[0] for cell in result["rates"]))
     figure, axes = plt.subplots(1, len(presets), figsize=(5 * len(presets), 3.6), squeeze=False)
     for ax, preset in zip(axes[0], presets, strict=True):
         cells_of = {int(c.split(" × ")[1]): r for c, r in result["rates"].items() if c.startswith(f"{preset} ×")}
@@ -164,8 +165,14 @@ def main() -> None:
     parser.add_argument("--workers", default="4,8,16", help="worker counts (small: the first only)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--default-run", action="store_true", help="also time the default `adloco train`")
-    parser.add_argument("--write", action="store_true", help="store results/throughput.json and the plot")
+    parser.add_argument("--write", action="store_true", help="store results/throughput.json, the docs and the plot")
+    parser.add_argument("--report", action="store_true", help="only rewrite the docs and plot from the stored results")
     args = parser.parse_args()
+    if args.report:
+        result = json.loads(RESULTS.read_text())
+        publish(result, "\n".join(markdown(result)), RESULTS, DOC, (BEGIN, END))
+        plot(result)
+        return
     counts = [int(x) for x in args.workers.split(",")]
     result = measure(["tiny"], counts, args.repeats) if "tiny" in args.presets else {"rates": {}}
     for preset in [p for p in args.presets.split(",") if p != "tiny"]:

@@ -4,6 +4,7 @@ worker of batch 3·M (the same model, tokens per step and threads).
     python benchmarks/throughput.py --write             # measure; results/throughput.json, docs, plot
     python benchmarks/throughput.py --default-run --write   # also the default `adloco train`, before and after
     python benchmarks/throughput.py --report            # docs and plot again from the stored results
+    python benchmarks/throughput.py --default-run --keep-cells --write   # only the default run, again
 
 Runs go one at a time with two threads, in interleaved order (A B C A B C ...), and report the median of the
 repeats' steady-state tokens/s (the first and last rounds of a run are left out: start-up and the final round).
@@ -167,6 +168,7 @@ def main() -> None:
     parser.add_argument("--default-run", action="store_true", help="also time the default `adloco train`")
     parser.add_argument("--write", action="store_true", help="store results/throughput.json, the docs and the plot")
     parser.add_argument("--report", action="store_true", help="only rewrite the docs and plot from the stored results")
+    parser.add_argument("--keep-cells", action="store_true", help="keep the stored cells (with --default-run)")
     args = parser.parse_args()
     if args.report:
         result = json.loads(RESULTS.read_text())
@@ -174,9 +176,12 @@ def main() -> None:
         plot(result)
         return
     counts = [int(x) for x in args.workers.split(",")]
-    result = measure(["tiny"], counts, args.repeats) if "tiny" in args.presets else {"rates": {}}
-    for preset in [p for p in args.presets.split(",") if p != "tiny"]:
-        result["rates"].update(measure([preset], counts[:1], args.repeats)["rates"])
+    if args.keep_cells:
+        result = json.loads(RESULTS.read_text())
+    else:
+        result = measure(["tiny"], counts, args.repeats) if "tiny" in args.presets else {"rates": {}}
+        for preset in [p for p in args.presets.split(",") if p != "tiny"]:
+            result["rates"].update(measure([preset], counts[:1], args.repeats)["rates"])
     result.setdefault("environment", environment())
     result.setdefault("repeats", args.repeats)
     if args.default_run:

@@ -249,7 +249,15 @@ class Cluster:
             config.seed * _STREAM_SEED_STRIDE + worker_id, worker=worker_id, workers=config.total_workers
         )
         model = copy.deepcopy(template).to(self.device)
-        return Worker(worker_id, model, config.inner, stream, loss_fn=self.task.loss, precision=config.precision)
+        return Worker(
+            worker_id,
+            model,
+            config.inner,
+            stream,
+            loss_fn=self.task.loss,
+            precision=config.precision,
+            compile_step=config.compile,
+        )
 
     def owner(self, worker_id: int) -> Trainer:
         return next(t for t in self.trainers.values() if worker_id in t.worker_ids)

@@ -368,6 +368,12 @@ class TrainConfig(BaseModel):
         description="Inner steps' forward pass: fp32, or bf16 under autocast (weights, optimizer state, outer "
         "state, exchanges and evaluation stay float32; runs on CPU and CUDA).",
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each training step's forward and backward (a worker group's stacked model, or "
+        "each worker's loss). The first steps compile (seconds to minutes); needs a C++ compiler on CPU, Triton "
+        "on CUDA, checked at start.",
+    )
     tf32: bool = Field(
         True,
         description="CUDA only: float32 matmuls and convolutions on TF32 tensor cores (10-bit-mantissa products, "
@@ -583,13 +589,15 @@ def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None
 RUN_CONFIG_FILE = "config.yaml"  # the resolved config, written into every run directory
 
 
-# What may change when a run resumes: the budget, cadences, how the run is watched and kept, and how its arithmetic
-# is carried out (threads, TF32, stacked workers: the same math, at most other rounding). Anything else (workers,
-# model, data, method, optimizers...) would not fit the checkpoint's state or would change its numbers.
+# What may change when a run resumes: the budget, cadences, how the run is watched and kept, and how its
+# arithmetic is carried out (threads, TF32, compilation, stacked workers: the same math, at most other rounding).
+# Anything else (workers, model, data, method, optimizers...) would not fit the checkpoint's state or would change
+# its numbers.
 RESUME_SAFE_KEYS = (
     "total_tokens",
     "threads",
     "tf32",
+    "compile",
     "batched_workers",
     "comm.timeout_s",
     "checkpoint.*",

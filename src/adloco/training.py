@@ -35,6 +35,7 @@ from adloco.comm.distributed import (
     max_restarts,
     restart_attempt,
 )
+from adloco.compilation import check_compile
 from adloco.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, resume_changes, resume_config
 from adloco.data import (
     SAVED_DIR,
@@ -300,6 +301,8 @@ def _agree_on_restart(config: TrainConfig, comm: Communicator) -> tuple[str, str
 
 def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
     device = resolve_device(config)
+    if config.compile:
+        check_compile(device)
     # A torchrun attempt after a failure continues the run its first attempt made, with no --resume needed.
     restart = _agree_on_restart(config, comm) if restart_attempt() > 0 else None
     again = None

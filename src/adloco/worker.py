@@ -14,6 +14,7 @@ import torch
 from adloco.algorithms.batch_tests import GradientStatistics, GroupedGradient
 from adloco.algorithms.flat import finite_rows, flatten, unflatten
 from adloco.algorithms.switch import split_evenly
+from adloco.compilation import compiled
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
 from adloco.model import next_token_loss
@@ -44,12 +45,15 @@ class Worker:
         stream: TokenStream,
         loss_fn: Callable[..., torch.Tensor] = next_token_loss,
         precision: str = "fp32",
+        compile_step: bool = False,
     ) -> None:
         self.worker_id = worker_id
         self.precision = precision  # the forward's autocast (adloco.precision); the state stays float32
         self.model = model
         self.stream = stream  # any sample stream of the task: next_batch(size) -> tensors, one row per sample
         self.loss_fn = loss_fn  # the task's mean loss of (model, *batch tensors)
+        self.step_loss = compiled(loss_fn, compile_step)  # what a training step calls: loss_fn, maybe compiled
+        self.compile_step = compile_step
         self.clip = inner.clip
         self.params = [p for p in model.parameters()]
         self.device = self.params[0].device
@@ -161,7 +165,7 @@ class Worker:
         offset = start
         for size in split_evenly(count, -(-count // b_max)):
             with autocast_for(self.precision, self.device):
-                loss = self.loss_fn(self.model, *(t[offset : offset + size] for t in data))
+                loss = self.step_loss(self.model, *(t[offset : offset + size] for t in data))
             (loss * (size / weight_total)).backward()
             loss_sum += float(loss.detach()) * size
             offset += size

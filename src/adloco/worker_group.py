@@ -20,6 +20,7 @@ from adloco.algorithms.adamw import AdamWSettings, adamw_stacked, clip_stacked
 from adloco.algorithms.batch_tests import GradientStatistics, GroupedGradient
 from adloco.algorithms.flat import finite_rows, flatten, unflatten
 from adloco.algorithms.switch import split_evenly
+from adloco.compilation import compiled
 from adloco.precision import autocast_for
 from adloco.probe import is_out_of_memory
 from adloco.stacked import StackedLlama, unsupported_reason
@@ -40,8 +41,12 @@ def stacking_blocker(workers: Sequence[Worker]) -> str | None:
     for worker in workers[1:]:
         if [tuple(p.shape) for p in worker.params] != shapes or worker.device != first.device:
             return "the workers' models differ in shape or device"
-        if worker.loss_fn is not first.loss_fn or worker.precision != first.precision:
-            return "the workers differ in loss or precision"
+        if (worker.loss_fn, worker.precision, worker.compile_step) != (
+            first.loss_fn,
+            first.precision,
+            first.compile_step,
+        ):
+            return "the workers differ in loss, precision or compilation"
     return None
 
 
@@ -57,6 +62,7 @@ class WorkerGroup:
         first = self.workers[0]
         self.device, self.precision, self.clip = first.device, first.precision, first.clip
         self.forward = StackedLlama(first.model)
+        self.losses = compiled(self.forward.losses, first.compile_step)
         with torch.no_grad():
             self.params = [torch.stack([w.params[i].detach() for w in self.workers]) for i in range(len(first.params))]
         for k, worker in enumerate(self.workers):
@@ -163,7 +169,7 @@ class WorkerGroup:
         offset = start
         for size in split_evenly(count, -(-count // b_max)):
             with autocast_for(self.precision, self.device):
-                losses = self.forward.losses(self.params, *(t[:, offset : offset + size] for t in data))
+                losses = self.losses(self.params, *(t[:, offset : offset + size] for t in data))
             (losses.sum() * (size / weight_total)).backward()
             loss_sums += losses.detach().double().cpu() * size
             offset += size

@@ -98,6 +98,10 @@ def default_run(repeats: int) -> dict:
     return {"environment": environment(), "seconds": seconds, "val_loss": losses}
 
 
+def _runs(count: int) -> str:
+    return "one run each" if count == 1 else f"median of {count} runs each"
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -131,7 +135,7 @@ def markdown(result: dict) -> list[str]:
             f"The default `adloco train` (DiLoCo, 4 workers × batch 3, 1.536 M tokens): {alone:.0f} s one by one, "
             f"{stacked:.0f} s stacked ({stacked / alone:.2f}×), final val loss "
             f"{_median(default['val_loss']['one by one']):.4f} and {_median(default['val_loss']['stacked']):.4f}; "
-            f"median of {len(default['seconds']['stacked'])} runs each, {describe(default['environment'])}.",
+            f"{_runs(len(default['seconds']['stacked']))}, one after the other, {describe(default['environment'])}.",
             "",
         ]
     return lines

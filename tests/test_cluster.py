@@ -7,6 +7,7 @@ from adloco.cluster import Cluster
 from adloco.comm import LocalCommunicator
 from adloco.config import build_config
 from adloco.training import _tokenizer_and_task
+from adloco.worker_group import WorkerGroup
 from tests.conftest import PINNED_PACE as PINNED
 
 TINY = ["model.context=16", "batch.size=3", "batch.b_max=64", "threads=1", "run.progress=false"]
@@ -106,15 +107,32 @@ def test_keep_round_time_scales_h_by_the_samples_a_step_reads():
 
 
 @pytest.mark.parametrize("method", ["diloco", "ddp", "adloco"])
-def test_batched_workers_take_the_rounds_of_workers_one_by_one(method):
+def test_batched_workers_take_the_rounds_of_workers_one_by_one(method, monkeypatch):
     """The hosted workers run as one stacked group (statistics steps and all) and θ follows the one-by-one
     cluster within the worker group's tolerance (tests/test_worker_group.py)."""
     common = [f"method={method}", "workers=3", "sync_every=3", "inner.clip=0.05", *PINNED]
     batched, alone = _cluster([*common, "batched_workers=true"]), _cluster([*common, "batched_workers=false"])
     assert [g.worker_ids for g in batched.groups] == [[0, 1, 2]] and alone.groups == []
+    seen = {"computed": 0, "statistics": 0, "stepped": 0}
+    compute, step = WorkerGroup.compute_gradients, WorkerGroup.step
+
+    def counted_compute(self, samples, b_max, stats_groups=None, gram=False):
+        seen["computed"] += 1
+        seen["statistics"] += stats_groups is not None
+        return compute(self, samples, b_max, stats_groups, gram)
+
+    def counted_step(self, lrs):
+        stepped = step(self, lrs)
+        seen["stepped"] += stepped
+        return stepped
+
+    monkeypatch.setattr(WorkerGroup, "compute_gradients", counted_compute)
+    monkeypatch.setattr(WorkerGroup, "step", counted_step)
     for cluster in (batched, alone):
         for round_index in range(2):
             cluster.run_round(round_index, 3, lambda step: 2e-3)
+    assert seen["computed"] == seen["stepped"] == 6  # every step of both rounds, stacked
+    assert seen["statistics"] == (2 if method == "adloco" else 0)
     for mine, theirs in zip(batched.trainers[0].theta, alone.trainers[0].theta, strict=True):
         assert torch.allclose(mine, theirs, rtol=1e-5, atol=1e-7)
     start = _cluster(common).trainers[0].theta

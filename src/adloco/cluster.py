@@ -413,7 +413,7 @@ class Cluster:
         for group in self.groups:
             ids = group.worker_ids
             plans = {(samples[w], self.b_max[w]) for w in ids}
-            if len(plans) != 1 or any(state.local[w].out for w in ids):
+            if len(plans) != 1 or any(state.local[w].out for w in ids) or not group.fits:
                 continue
             begun = time.perf_counter()
             gram = self.config.batch.test == "inner_product"

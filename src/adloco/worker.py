@@ -212,6 +212,9 @@ class Worker:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        kernel = adamw_kernel(self.device)  # the saved groups name the kernel of the device they were saved on
+        for group in self.optimizer.param_groups:
+            group["fused"], group["foreach"] = kernel.get("fused"), kernel.get("foreach")
         self.stream.load_state_dict(state["stream"])
         if state.get("params") is not None:
             self.load_params(state["params"])

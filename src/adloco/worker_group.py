@@ -61,6 +61,7 @@ class WorkerGroup:
         self.worker_ids = [w.worker_id for w in self.workers]
         first = self.workers[0]
         self.device, self.precision, self.clip = first.device, first.precision, first.clip
+        self.fits = True  # False once a stacked step ran out of memory: the workers then compute one by one
         self.forward = StackedLlama(first.model)
         self.losses = compiled(self.forward.losses, first.compile_step)
         with torch.no_grad():
@@ -118,8 +119,11 @@ class WorkerGroup:
         except (RuntimeError, torch.OutOfMemoryError) as error:
             if not is_out_of_memory(error):
                 raise
-            log.warning("workers %s do not fit stacked; taking the step one worker at a time", self.worker_ids)
+            log.warning("workers %s do not fit stacked; from now on they compute one at a time", self.worker_ids)
+            self.fits = False  # b_max was probed for one worker: the stack holds W times its activations
             self._clear_gradients()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             return [
                 w.compute_gradients(samples, b_max, stats_groups=stats_groups, gram=gram, data=d)
                 for w, d in zip(self.workers, data, strict=True)

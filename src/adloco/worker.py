@@ -160,16 +160,12 @@ class Worker:
         Each micro-batch's mean loss is weighted by its share of ``weight_total`` samples, so the
         accumulated gradient is the mean over all of them whatever the split.
         """
-        count = stop - start
-        loss_sum = 0.0
-        offset = start
-        for size in split_evenly(count, -(-count // b_max)):
+
+        def loss_of(offset: int, size: int) -> torch.Tensor:
             with autocast_for(self.precision, self.device):
-                loss = self.step_loss(self.model, *(t[offset : offset + size] for t in data))
-            (loss * (size / weight_total)).backward()
-            loss_sum += float(loss.detach()) * size
-            offset += size
-        return loss_sum / count
+                return self.step_loss(self.model, *(t[offset : offset + size] for t in data))
+
+        return float(backward_in_micro_batches(loss_of, start, stop, weight_total, b_max))
 
     def _flat_gradient(self) -> torch.Tensor:
         return flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
@@ -228,3 +224,23 @@ def _copied(state: dict) -> dict:
         },
         "param_groups": state["param_groups"],
     }
+
+
+def backward_in_micro_batches(
+    loss_of: Callable[[int, int], torch.Tensor], start: int, stop: int, weight_total: int, b_max: int
+) -> torch.Tensor:
+    """Backward over samples [start, stop) in near-equal micro-batches of at most ``b_max``; the mean loss
+    (float64, one per worker where ``loss_of(offset, size)`` gives a worker group's losses).
+
+    Each micro-batch's mean loss is weighted by its share of ``weight_total`` samples, so the accumulated gradient
+    is the mean over all of them whatever the split.
+    """
+    count = stop - start
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    offset = start
+    for size in split_evenly(count, -(-count // b_max)):
+        loss = loss_of(offset, size)
+        (loss.sum() * (size / weight_total)).backward()
+        loss_sum = loss_sum + loss.detach().double().cpu() * size
+        offset += size
+    return loss_sum / count

@@ -24,7 +24,7 @@ from adloco.compilation import compiled
 from adloco.precision import autocast_for
 from adloco.probe import is_out_of_memory
 from adloco.stacked import StackedLlama, unsupported_reason
-from adloco.worker import StepResult, Worker
+from adloco.worker import StepResult, Worker, backward_in_micro_batches
 
 log = logging.getLogger(__name__)
 
@@ -166,18 +166,13 @@ class WorkerGroup:
     def _backward(
         self, data: tuple[torch.Tensor, ...], start: int, stop: int, weight_total: int, b_max: int
     ) -> list[float]:
-        """Backward over samples [start, stop) of every worker in micro-batches of at most ``b_max``, each weighted
-        by its share of ``weight_total`` (``Worker._backward_samples`` for W workers at once); mean losses."""
-        count = stop - start
-        loss_sums = torch.zeros(len(self.workers), dtype=torch.float64)
-        offset = start
-        for size in split_evenly(count, -(-count // b_max)):
+        """``Worker``'s micro-batched backward for W workers at once; their mean losses."""
+
+        def loss_of(offset: int, size: int) -> torch.Tensor:
             with autocast_for(self.precision, self.device):
-                losses = self.losses(self.params, *(t[:, offset : offset + size] for t in data))
-            (losses.sum() * (size / weight_total)).backward()
-            loss_sums += losses.detach().double().cpu() * size
-            offset += size
-        return (loss_sums / count).tolist()
+                return self.losses(self.params, *(t[:, offset : offset + size] for t in data))
+
+        return backward_in_micro_batches(loss_of, start, stop, weight_total, b_max).tolist()
 
     def _lend_gradients(self) -> None:
         """Each worker's ``.grad`` becomes its slice of the stacked gradient."""

@@ -1,6 +1,7 @@
 """plots.py on hand-written metrics: merges marked, memory plotted, runs without either still plotted."""
 
 import json
+import warnings
 
 import pytest
 
@@ -10,7 +11,7 @@ from adloco.plots import plot_run
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _write(run_dir, merges: bool, memory: bool, cuda: bool = False, lr_scale: bool = False) -> None:
+def _write(run_dir, merges: bool, memory: bool, cuda: bool = False, lr_scale: bool = False, sent: bool = True) -> None:
     lines = []
     for r in range(6):
         record = {
@@ -18,7 +19,7 @@ def _write(run_dir, merges: bool, memory: bool, cuda: bool = False, lr_scale: bo
             "round": r,
             "step": 4 * (r + 1),
             "tokens": 256 * (r + 1),
-            "bytes_total": 1000 * (r + 1),
+            "bytes_total": 1000 * (r + 1) if sent else 0,
             "train_loss": {"0": 5.0 - 0.3 * r, "1": 5.1 - 0.3 * r} if r < 3 else {"0": 4.0 - 0.1 * r},
             "val_loss": {"0": 5.0 - 0.25 * r} if r % 2 else None,
             "batch": {"0": 2 + r, "1": 3} if r < 3 else {"0": 6},
@@ -51,24 +52,25 @@ def test_plots_with_merges_and_memory(tmp_path):
         assert with_merge.read_bytes() != without.read_bytes()
 
 
+def _width(png) -> int:
+    from PIL import Image
+
+    with Image.open(png) as image:
+        return image.size[0]
+
+
 def test_cuda_memory_gets_its_own_panel(tmp_path):
     _write(tmp_path / "cpu", merges=False, memory=True)
     _write(tmp_path / "gpu", merges=False, memory=True, cuda=True)
-    from PIL import Image
-
-    cpu = Image.open(plot_run(tmp_path / "cpu")[2])
-    gpu = Image.open(plot_run(tmp_path / "gpu")[2])
-    assert gpu.size[0] > cpu.size[0] * 1.5  # two panels side by side
+    cpu, gpu = _width(plot_run(tmp_path / "cpu")[2]), _width(plot_run(tmp_path / "gpu")[2])
+    assert gpu > cpu * 1.5  # two panels side by side
 
 
 def test_the_inner_lr_factor_is_drawn_beside_b_when_recorded(tmp_path):
     _write(tmp_path / "plain", merges=True, memory=False)
     _write(tmp_path / "coupled", merges=True, memory=False, lr_scale=True)
-    from PIL import Image
-
-    plain = Image.open(plot_run(tmp_path / "plain")[1])
-    coupled = Image.open(plot_run(tmp_path / "coupled")[1])
-    assert coupled.size[0] > plain.size[0] * 1.5  # b and the lr factor side by side
+    plain, coupled = _width(plot_run(tmp_path / "plain")[1]), _width(plot_run(tmp_path / "coupled")[1])
+    assert coupled > plain * 1.5  # b and the lr factor side by side
 
 
 def test_a_run_without_merges_or_memory_still_plots(tmp_path):
@@ -82,3 +84,12 @@ def test_a_run_without_merges_or_memory_still_plots(tmp_path):
 def test_a_folder_without_metrics_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="no metrics.jsonl"):
         plot_run(tmp_path)
+
+
+def test_a_run_that_sent_nothing_is_plotted_without_complaint(tmp_path):
+    """One worker sends no bytes: its bytes axis stays linear instead of warning about a log scale of zeros."""
+    _write(tmp_path / "run", merges=False, memory=False, sent=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = plot_run(tmp_path / "run")
+    assert paths and all(p.read_bytes().startswith(PNG) for p in paths)

@@ -61,6 +61,7 @@ def test_same_seed_same_numbers_and_other_seed_differs(fast_overrides):
     "method",
     [
         ["method=diloco"],
+        ["method=diloco", "precision=fp16"],  # the workers' loss scales go through the checkpoint
         ["method=adloco", "trainers=2", "workers=1", "merge.every=3", "batch.b_cap=4", "total_tokens=2048"]
         + PINNED_PACE,
     ],

@@ -24,10 +24,16 @@ def _config(kv_heads: int = 4):
     return config
 
 
-def _workers(count: int, inner: InnerConfig | None = None, kv_heads: int = 4) -> list[Worker]:
+def _workers(count: int, inner: InnerConfig | None = None, kv_heads: int = 4, precision: str = "fp32") -> list[Worker]:
     tokens = torch.randint(0, 256, (6000,), generator=torch.Generator().manual_seed(1))
     return [
-        Worker(k, build_model(_config(kv_heads), seed=k), inner or InnerConfig(), TokenStream(tokens, CONTEXT, 10 + k))
+        Worker(
+            k,
+            build_model(_config(kv_heads), seed=k),
+            inner or InnerConfig(),
+            TokenStream(tokens, CONTEXT, 10 + k),
+            precision=precision,
+        )
         for k in range(count)
     ]
 
@@ -179,3 +185,21 @@ def test_a_statistics_step_gives_each_worker_its_own_statistics_and_gradient(gra
         for p, q in zip(worker.params, other.params, strict=True):
             assert _close(p.grad, q.grad)
     assert results[0].statistics.sample_variance != results[1].statistics.sample_variance
+
+
+def test_fp16_workers_of_a_group_keep_their_own_loss_scales():
+    """One worker's scale is far too large: only that worker backs off, the step is computed again on the same
+    samples, and every worker ends where it would alone."""
+    grouped, alone = _workers(2, precision="fp16"), _workers(2, precision="fp16")
+    for workers in (grouped, alone):
+        workers[0].loss_scale.scale = 2.0**40  # float16 activation gradients overflow at this scale
+    group = WorkerGroup(grouped)
+    results = _train(grouped, group, 2, samples=4, b_max=2, lrs=[1e-3, 1e-3])
+    reference = _train(alone, None, 2, samples=4, b_max=2, lrs=[1e-3, 1e-3])
+    assert all(r.finite for r in results)
+    for mine, theirs in zip(results, reference, strict=True):
+        assert mine.loss == pytest.approx(theirs.loss, rel=RTOL)
+    assert grouped[0].loss_scale.scale < 2.0**40 and grouped[1].loss_scale.scale == 2.0**16
+    for mine, theirs in zip(grouped, alone, strict=True):
+        assert mine.loss_scale == theirs.loss_scale
+    _assert_same_workers(grouped, alone)

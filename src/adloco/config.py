@@ -363,10 +363,11 @@ class TrainConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where workers train: cuda when available (one GPU per rank), else cpu."
     )
-    precision: Literal["fp32", "bf16"] = Field(
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
-        description="Inner steps' forward pass: fp32, or bf16 under autocast (weights, optimizer state, outer "
-        "state, exchanges and evaluation stay float32; runs on CPU and CUDA).",
+        description="Inner steps' forward pass: fp32, or bf16 or fp16 under autocast (weights, optimizer state, "
+        "outer state, exchanges and evaluation stay float32; runs on CPU and CUDA). fp16 scales each worker's loss "
+        "dynamically: an overflowing step is computed again on the same samples with half the scale.",
     )
     compile: bool = Field(
         False,

@@ -112,7 +112,8 @@ def _plot_loss(records: list[dict], merges: list, name: str, path: Path) -> Path
         axis.set_xlabel(label)
         axis.set_ylabel("loss (nats per token)")
         axis.grid(alpha=0.3)
-    axes[2].set_xscale("log")
+    if any(p[2] > 0 for points in (*train.values(), *val.values()) for p in points):
+        axes[2].set_xscale("log")  # a run that sent nothing (one worker) has no bytes to spread out
     if train or val:
         axes[0].legend(fontsize=7)
     figure.suptitle(f"{name}: loss" + (" (dotted: merges, merged → kept trainer)" if merges else ""))

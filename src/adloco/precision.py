@@ -8,10 +8,11 @@ precision. Evaluation runs in float32, so validation losses compare across preci
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 import torch
 
-AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast_for(precision: str, device: torch.device) -> AbstractContextManager:
@@ -34,3 +35,59 @@ def adamw_kernel(device: torch.device) -> dict[str, bool]:
     """How a worker's AdamW runs on ``device``: fused on CUDA (one kernel for all tensors); on CPU the
     single-tensor loop, whose element-wise operations a worker group's stacked update repeats exactly."""
     return {"fused": True} if device.type == "cuda" else {"foreach": False}
+
+
+@dataclass
+class LossScale:
+    """A worker's dynamic loss scale for fp16 steps (fixed at 1 in fp32 and bf16, whose range needs none).
+
+    The backward runs on the loss times ``scale`` so that small activation gradients do not flush to zero in
+    float16; the gradients are divided by it again before anything reads them. Where they overflowed, the worker
+    halves the scale and computes the same step again on the same samples: unlike skipping the update, as
+    ``torch.amp.GradScaler`` does, every worker then takes the same number of inner steps on the same tokens, which
+    keeps the round's budget, the workers' step counts (a stacked update needs them equal) and the data order.
+    After ``GROWTH_INTERVAL`` steps in a row without an overflow the scale doubles. Scales are powers of two, so
+    scaling and unscaling change no bit of a gradient that neither overflows nor underflows.
+    """
+
+    INITIAL = 2.0**16
+    FLOOR = 1.0
+    CEILING = 2.0**24
+    GROWTH_INTERVAL = 2000
+
+    enabled: bool = False
+    scale: float = 1.0
+    good_steps: int = 0  # steps in a row since the scale last changed or overflowed
+
+    @classmethod
+    def for_precision(cls, precision: str) -> LossScale:
+        """The scale a new worker starts with: dynamic from 2^16 for fp16, a constant 1 otherwise."""
+        return cls(enabled=True, scale=cls.INITIAL) if precision == "fp16" else cls()
+
+    def back_off(self) -> bool:
+        """After a step whose gradients overflowed: halve the scale for a retry. False, with nothing changed, where
+        the scale is at its floor already, so the overflow is not the scale's doing."""
+        if not self.enabled or self.scale <= self.FLOOR:
+            return False
+        self.scale /= 2
+        self.good_steps = 0
+        return True
+
+    def settle(self, finite: bool, scale_before: float) -> None:
+        """Close a step: count a finite one (growing the scale after enough); after a non-finite one that no
+        smaller scale cured, go back to the scale the step began with."""
+        if not self.enabled:
+            return
+        if not finite:
+            self.scale = scale_before
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.GROWTH_INTERVAL and self.scale < self.CEILING:
+            self.scale *= 2
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])

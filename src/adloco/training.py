@@ -170,6 +170,8 @@ def make_communicator(config: TrainConfig) -> Communicator:
 
 def resolve_device(config: TrainConfig) -> torch.device:
     if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        if config.precision == "fp16":
+            log.warning("precision fp16 on a CPU: float16 matmuls have no fast kernels there; bf16 or fp32 is faster")
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("device: cuda was asked for but no CUDA device is available")

@@ -18,7 +18,7 @@ from adloco.compilation import compiled
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
 from adloco.model import next_token_loss
-from adloco.precision import adamw_kernel, autocast_for
+from adloco.precision import LossScale, adamw_kernel, autocast_for
 from adloco.probe import is_out_of_memory
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class Worker:
     ) -> None:
         self.worker_id = worker_id
         self.precision = precision  # the forward's autocast (adloco.precision); the state stays float32
+        self.loss_scale = LossScale.for_precision(precision)
         self.model = model
         self.stream = stream  # any sample stream of the task: next_batch(size) -> tensors, one row per sample
         self.loss_fn = loss_fn  # the task's mean loss of (model, *batch tensors)
@@ -102,9 +103,26 @@ class Worker:
             samples = max(samples, 2)
         if data is None:
             data = tuple(t.to(self.device) for t in self.stream.next_batch(samples))
+        scale_before = self.loss_scale.scale
+
+        def accumulate(micro_batch: int) -> StepResult:
+            return self._accumulate(data, micro_batch, stats_groups, gram, keep_gradient)
+
+        while True:
+            result = self._fitting_step(accumulate, b_max)
+            # an overflow under fp16's loss scale is retried on the same samples with half the scale
+            if result.finite or not math.isfinite(result.loss) or not self.loss_scale.back_off():
+                break
+            log.debug("worker %d: fp16 gradients overflowed; loss scale now %g", self.worker_id, self.loss_scale.scale)
+            b_max = result.b_max
+        self.loss_scale.settle(result.finite, scale_before)
+        return result
+
+    def _fitting_step(self, accumulate: Callable[[int], StepResult], b_max: int) -> StepResult:
+        """One step's gradients from ``accumulate(micro_batch)``, halving the micro-batch until it fits in memory."""
         while True:
             try:
-                result = self._accumulate(data, b_max, stats_groups, gram, keep_gradient)
+                result = accumulate(b_max)
                 grads = [p.grad.reshape(1, -1) for p in self.params if p.grad is not None]
                 # one host sync for the whole model rather than one per tensor
                 finite_grads = bool(finite_rows(grads)) if grads else True
@@ -165,7 +183,15 @@ class Worker:
             with autocast_for(self.precision, self.device):
                 return self.step_loss(self.model, *(t[offset : offset + size] for t in data))
 
-        return float(backward_in_micro_batches(loss_of, start, stop, weight_total, b_max))
+        if not self.loss_scale.enabled:
+            return float(backward_in_micro_batches(loss_of, start, stop, weight_total, b_max))
+        scale = self.loss_scale.scale
+        loss = float(backward_in_micro_batches(loss_of, start, stop, weight_total, b_max, scale))
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(1 / scale)
+        return loss
 
     def _flat_gradient(self) -> torch.Tensor:
         return flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
@@ -204,6 +230,7 @@ class Worker:
             # a copy: a worker group's moments are views into its stacked tensors, which a save must not alias
             "optimizer": _copied(self.optimizer.state_dict()),
             "stream": self.stream.state_dict(),
+            "loss_scale": self.loss_scale.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -212,6 +239,8 @@ class Worker:
         for group in self.optimizer.param_groups:
             group["fused"], group["foreach"] = kernel.get("fused"), kernel.get("foreach")
         self.stream.load_state_dict(state["stream"])
+        if "loss_scale" in state:  # checkpoints from before fp16 hold none: their scale is the constant 1
+            self.loss_scale.load_state_dict(state["loss_scale"])
         if state.get("params") is not None:
             self.load_params(state["params"])
 
@@ -227,20 +256,27 @@ def _copied(state: dict) -> dict:
 
 
 def backward_in_micro_batches(
-    loss_of: Callable[[int, int], torch.Tensor], start: int, stop: int, weight_total: int, b_max: int
+    loss_of: Callable[[int, int], torch.Tensor],
+    start: int,
+    stop: int,
+    weight_total: int,
+    b_max: int,
+    loss_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Backward over samples [start, stop) in near-equal micro-batches of at most ``b_max``; the mean loss
     (float64, one per worker where ``loss_of(offset, size)`` gives a worker group's losses).
 
     Each micro-batch's mean loss is weighted by its share of ``weight_total`` samples, so the accumulated gradient
-    is the mean over all of them whatever the split.
+    is the mean over all of them whatever the split; with ``loss_scale`` (one per worker for a group) that gradient
+    is the scaled one, which the caller divides back.
     """
     count = stop - start
     loss_sum = torch.zeros((), dtype=torch.float64)
     offset = start
     for size in split_evenly(count, -(-count // b_max)):
         loss = loss_of(offset, size)
-        (loss.sum() * (size / weight_total)).backward()
+        scaled = loss if loss_scale is None else loss * loss_scale
+        (scaled.sum() * (size / weight_total)).backward()
         loss_sum = loss_sum + loss.detach().double().cpu() * size
         offset += size
     return loss_sum / count

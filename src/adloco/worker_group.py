@@ -114,26 +114,49 @@ class WorkerGroup:
             samples = max(samples, 2)
         data = [tuple(t.to(self.device) for t in w.stream.next_batch(samples)) for w in self.workers]
         stacked = tuple(torch.stack(parts) for parts in zip(*data, strict=True))
+        scales_before = [w.loss_scale.scale for w in self.workers]
         try:
-            losses, statistics = self._accumulate(stacked, b_max, stats_groups, gram)
+            losses, statistics, finite = self._scaled_step(stacked, b_max, stats_groups, gram)
         except (RuntimeError, torch.OutOfMemoryError) as error:
             if not is_out_of_memory(error):
                 raise
             log.warning("workers %s do not fit stacked; from now on they compute one at a time", self.worker_ids)
             self.fits = False  # b_max was probed for one worker: the stack holds W times its activations
             self._clear_gradients()
+            for worker, scale in zip(self.workers, scales_before, strict=True):
+                worker.loss_scale.scale = scale
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             return [
                 w.compute_gradients(samples, b_max, stats_groups=stats_groups, gram=gram, data=d)
                 for w, d in zip(self.workers, data, strict=True)
             ]
-        finite = finite_rows([p.grad for p in self.params])
+        for worker, ok, scale in zip(self.workers, finite, scales_before, strict=True):
+            worker.loss_scale.settle(ok, scale)
         tokens = data[0][0].numel()
         return [
-            StepResult(loss, samples, tokens, stats, finite=ok and math.isfinite(loss), b_max=b_max)
-            for loss, stats, ok in zip(losses, statistics, finite.tolist(), strict=True)
+            StepResult(loss, samples, tokens, stats, finite=ok, b_max=b_max)
+            for loss, stats, ok in zip(losses, statistics, finite, strict=True)
         ]
+
+    def _scaled_step(
+        self, data: tuple[torch.Tensor, ...], b_max: int, stats_groups: int | None, gram: bool
+    ) -> tuple[list[float], list[GradientStatistics | None], list[bool]]:
+        """The stacked step, computed again on the same samples while a worker's fp16 gradients overflowed and its
+        loss scale can still halve (each worker's gradient depends on its own scale only); whether each worker's
+        loss and gradient came out finite."""
+        while True:
+            losses, statistics = self._accumulate(data, b_max, stats_groups, gram)
+            rows = finite_rows([p.grad for p in self.params]).tolist()
+            finite = [ok and math.isfinite(loss) for ok, loss in zip(rows, losses, strict=True)]
+            overflowed = [
+                w.loss_scale.back_off()
+                for w, ok, loss in zip(self.workers, finite, losses, strict=True)
+                if not ok and math.isfinite(loss)
+            ]
+            if not any(overflowed):
+                return losses, statistics, finite
+            log.debug("workers %s: fp16 gradients overflowed; retrying with smaller loss scales", self.worker_ids)
 
     def _accumulate(
         self, data: tuple[torch.Tensor, ...], b_max: int, stats_groups: int | None, gram: bool
@@ -172,7 +195,15 @@ class WorkerGroup:
             with autocast_for(self.precision, self.device):
                 return self.losses(self.params, *(t[:, offset : offset + size] for t in data))
 
-        return backward_in_micro_batches(loss_of, start, stop, weight_total, b_max).tolist()
+        if not self.workers[0].loss_scale.enabled:
+            return backward_in_micro_batches(loss_of, start, stop, weight_total, b_max).tolist()
+        scales = torch.tensor([w.loss_scale.scale for w in self.workers], device=self.device)
+        losses = backward_in_micro_batches(loss_of, start, stop, weight_total, b_max, scales).tolist()
+        with torch.no_grad():
+            for stacked in self.params:
+                if stacked.grad is not None:
+                    stacked.grad.mul_((1 / scales).view(-1, *[1] * (stacked.dim() - 1)))
+        return losses
 
     def _lend_gradients(self) -> None:
         """Each worker's ``.grad`` becomes its slice of the stacked gradient."""

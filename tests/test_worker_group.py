@@ -112,8 +112,9 @@ def test_a_group_trains_each_worker_as_it_would_alone():
 
 
 def test_a_group_steps_one_by_one_where_its_workers_differ_and_picks_up_after():
-    """Different lrs, a reset worker, and a resumed optimizer state: the group declines the shared update, the
-    workers step alone on the group's views, and later shared steps continue from exactly that state."""
+    """Different lrs and a resumed optimizer state: the group declines the shared update, the workers step alone
+    on the group's views, and later shared steps continue from exactly that state. A reset worker (step count 0
+    among workers at 3) still steps with the group."""
     grouped, alone = _workers(2), _workers(2)
     group = WorkerGroup(grouped)
     _train(grouped, group, 2, samples=3, b_max=3, lrs=[1e-3, 1e-3])
@@ -130,11 +131,10 @@ def test_a_group_steps_one_by_one_where_its_workers_differ_and_picks_up_after():
     grouped[1].reset_optimizer()
     alone[1].reset_optimizer()
     group.compute_gradients(3, 3)
-    assert not group.step([1e-3, 1e-3])  # step counts differ now
-    for worker in grouped:
-        worker.step(1e-3)
+    assert group.step([1e-3, 1e-3])  # step counts differ now: each worker takes its own bias correction
     _train(alone, None, 1, samples=3, b_max=3, lrs=[1e-3, 1e-3])
     _assert_same_workers(grouped, alone)
+    assert [float(s["step"]) for s in (w.optimizer.state[w.params[0]] for w in grouped)] == [4.0, 1.0]
 
     for grouped_worker, alone_worker, state in zip(grouped, alone, saved, strict=True):
         grouped_worker.load_state_dict(state)  # a resume replaces the optimizer's tensors; the group takes them over

@@ -4,7 +4,7 @@ stacked along a leading worker dimension, and each worker's model and optimizer 
 Every worker keeps its own numbers (data stream, loss, gradient, clipping, moments); the group only changes how
 they are computed: one stacked forward and backward (``adloco.stacked``) and one stacked AdamW update
 (``adloco.algorithms.adamw``) instead of W of each. Where workers differ in what a step needs (learning rate,
-β2, step count) or a step needs more than a plain gradient (statistics groups), the caller falls back to the
+β2) or a step needs more than a plain gradient (the cross-worker estimator's), the caller falls back to the
 workers one by one, which reads and writes the same views.
 """
 
@@ -219,13 +219,14 @@ class WorkerGroup:
 
     def step(self, lrs: Sequence[float]) -> bool:
         """Clip and apply one AdamW step to every worker at once (lr ``lrs[k]`` for worker k). False, with nothing
-        changed, where the workers cannot share one update: their lr, β2 or step counts differ, or a gradient is
-        missing; the caller then steps them one by one."""
+        changed, where the workers cannot share one update: their lr or β2 differ, or a gradient is missing; the
+        caller then steps them one by one. Workers at different step counts (one that restarted its moments, or
+        joined an elastic run) take their bias corrections in runs of neighbours at the same count."""
         for k in range(len(self.workers)):
             self._bind_state(k)
         settings = self._settings(lrs)
-        steps = torch.stack(self.steps)
-        if settings is None or bool((steps != steps[0, 0]).any()):
+        steps = torch.stack(self.steps)  # [tensors, workers]
+        if settings is None or bool((steps != steps[0]).any()):
             return False
         grads = self._gathered_gradients()
         if grads is None:
@@ -233,8 +234,18 @@ class WorkerGroup:
         if self.clip is not None:
             clip_stacked(grads, self.clip)
         params = [p.detach() for p in self.params]
-        step = int(steps[0, 0]) + 1
-        adamw_stacked(params, grads, self.exp_avgs, self.exp_avg_sqs, step, self.weight_decay, settings, self.scratch)
+        for start, stop, count in _runs_of_equal(steps[0].tolist()):
+            rows = slice(start, stop)  # views, so the update lands in the stack
+            adamw_stacked(
+                [p[rows] for p in params],
+                [g[rows] for g in grads],
+                [m[rows] for m in self.exp_avgs],
+                [v[rows] for v in self.exp_avg_sqs],
+                int(count) + 1,
+                self.weight_decay,
+                settings,
+                [s[rows] for s in self.scratch],
+            )
         for count in self.steps:
             count.add_(1)
         for worker in self.workers:  # as Worker.step leaves it: a checkpoint saves the lr last used
@@ -266,3 +277,14 @@ class WorkerGroup:
                     target[k].copy_(grad)
             grads.append(target)
         return grads
+
+
+def _runs_of_equal(values: Sequence[float]) -> list[tuple[int, int, float]]:
+    """(start, stop, value) of each maximal run of equal neighbours in ``values``."""
+    runs: list[tuple[int, int, float]] = []
+    for k, value in enumerate(values):
+        if runs and runs[-1][2] == value:
+            runs[-1] = (runs[-1][0], k + 1, value)
+        else:
+            runs.append((k, k + 1, value))
+    return runs

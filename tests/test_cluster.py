@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from adloco.checkpoint import CheckpointError
 from adloco.cluster import Cluster
 from adloco.comm import LocalCommunicator
 from adloco.config import build_config
@@ -139,3 +140,40 @@ def test_batched_workers_take_the_rounds_of_workers_one_by_one(method, monkeypat
     assert (
         max(float((mine - first).abs().max()) for mine, first in zip(batched.trainers[0].theta, start, strict=True)) > 0
     )
+
+
+def _elastic(workers: int, elastic: bool = True) -> Cluster:
+    return _cluster(["method=diloco", f"workers={workers}", f"elastic={str(elastic).lower()}"])
+
+
+def test_an_elastic_resume_retires_the_highest_workers_and_brings_them_back_from_theta():
+    four = _elastic(4)
+    for worker in four.workers.values():  # every worker has read data and holds AdamW moments
+        worker.compute_gradients(2, 2)
+        worker.step(1e-3)
+    saved = four.state_dict()
+
+    three = _elastic(3)
+    three.load_state_dict(saved)
+    assert three.trainers[0].worker_ids == [0, 1, 2] and three.resized == (4, 3)
+    assert torch.equal(three.retired_streams[3]["generator"], saved["workers"][3]["stream"]["generator"])
+    assert torch.equal(three.workers[2].stream.state_dict()["generator"], saved["workers"][2]["stream"]["generator"])
+    assert all(float(s["step"]) == 1 for s in three.workers[2].optimizer.state.values())  # a survivor keeps its own
+    assert three.state_dict()["retired_streams"].keys() == {3}
+
+    back = _elastic(4)
+    back.load_state_dict(three.state_dict())
+    returned = back.workers[3]
+    assert back.trainers[0].worker_ids == [0, 1, 2, 3] and back.resized == (3, 4) and not back.retired_streams
+    assert torch.equal(returned.stream.state_dict()["generator"], saved["workers"][3]["stream"]["generator"])
+    # fresh inner state (a worker group binds it as zero moments at step 0), parameters at θ
+    fresh = [s for s in returned.optimizer.state.values()]
+    assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in fresh)
+    assert all(torch.equal(p.detach(), t) for p, t in zip(returned.params, back.trainers[0].theta, strict=True))
+    assert "retired_streams" not in back.state_dict()
+
+
+def test_a_checkpoint_of_another_worker_count_needs_elastic():
+    saved = _elastic(4, elastic=False).state_dict()
+    with pytest.raises(CheckpointError, match="elastic=true"):
+        _elastic(3, elastic=False).load_state_dict(saved)

@@ -1,6 +1,6 @@
 import pytest
 
-from adloco.config import ConfigError, build_config, load_config
+from adloco.config import RUN_CONFIG_FILE, ConfigError, build_config, load_config, resume_config
 
 
 def test_defaults_resolve_per_method():
@@ -44,6 +44,9 @@ def test_overrides_parse_yaml_values_and_nested_keys():
         (["batch.step_seconds=[]"], "batch.step_seconds"),
         (["batch.step_seconds=[0,-1]"], "batch.step_seconds"),
         (["method=streaming", "batch.keep_round_time=true"], "batch.keep_round_time"),
+        (["elastic=true", "method=adloco", "trainers=2"], "elastic: resizes one trainer"),
+        (["elastic=true", "data.streaming=true"], "elastic: a streamed corpus"),
+        (["elastic=true", "workers=2", "batch.step_seconds=[[0,0.1],[0,0.2]]"], "elastic: batch.step_seconds"),
     ],
 )
 def test_bad_values_give_one_line_naming_the_key(overrides, fragment):
@@ -106,3 +109,13 @@ def test_local_paths_are_stored_absolute_and_names_stay_as_given(tmp_path, monke
     (tmp_path / "byte").mkdir()  # a folder named like a keyword does not shadow the keyword
     assert build_config(overrides=["data.tokenizer=byte"]).data.tokenizer == "byte"
     assert build_config().data.dataset == "tinyshakespeare"
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_the_worker_count_may_change_on_resume_only_in_an_elastic_run(elastic, tmp_path):
+    (tmp_path / RUN_CONFIG_FILE).write_text(build_config(overrides=[f"elastic={str(elastic).lower()}"]).to_yaml())
+    if elastic:
+        assert resume_config(tmp_path, ["workers=3"]).workers == 3
+    else:
+        with pytest.raises(ConfigError, match="'workers' cannot change"):
+            resume_config(tmp_path, ["workers=3"])

@@ -18,6 +18,7 @@ from adloco.algorithms.merge import merge_weights, merged_batch_size, select_mer
 from adloco.algorithms.schedules import LR_EXPONENTS, BatchCoupling
 from adloco.algorithms.shares import balanced_split, sample_weights
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
+from adloco.checkpoint import CheckpointError
 from adloco.comm.base import Communicator
 from adloco.config import BatchConfig, ConfigError, TrainConfig
 from adloco.pace import CostModel, Pace, time_steps, timed_batches
@@ -159,6 +160,8 @@ class Cluster:
         timed = config.batch.controller == "time" or config.batch.shares == "speed"
         self.costs = self._cost_model(template) if timed else None
         self.overhead_seconds = math.nan  # this rank's last round: wall time not spent computing steps
+        self.retired_streams: dict[int, dict] = {}  # elastic: streams of workers a resize retired, by worker id
+        self.resized: tuple[int, int] | None = None  # elastic: (workers in the checkpoint, workers now)
 
     def _worker_groups(self) -> list[WorkerGroup]:
         """The hosted workers as one stacked group, where the config asks for it and they can be stacked."""
@@ -568,6 +571,7 @@ class Cluster:
             "workers": {w: state for part in gathered for w, state in part.items()},
             "pending": self.sync.state_dict(),
             **({"costs": self.costs.state_dict()} if self.costs is not None else {}),
+            **({"retired_streams": dict(self.retired_streams)} if self.retired_streams else {}),
         }
 
     def _worker_state(self, worker_id: int) -> dict:
@@ -581,16 +585,50 @@ class Cluster:
                 del self.trainers[k]
         for k, trainer_state in saved_trainers.items():
             self.trainers[k].load_state_dict(trainer_state)
-            self.comm.register_group(self.trainers[k].worker_ids)
+        saved = {int(w): s for w, s in state["workers"].items()}
+        self.retired_streams = {int(w): s for w, s in state.get("retired_streams", {}).items()}
+        if sorted(saved) != list(range(self.config.total_workers)):
+            self._resize(saved)
         for trainer in self.trainers.values():
+            self.comm.register_group(trainer.worker_ids)
             trainer.broadcast(self.workers)
         for w, worker in self.workers.items():
-            worker.load_state_dict(state["workers"][w])  # streaming: its own parameters replace θ
-            self.sync.load_worker_state(w, state["workers"][w])
-        self.b_max.update({int(w): int(s["b_max"]) for w, s in state["workers"].items() if "b_max" in s})
+            if w in saved:
+                worker.load_state_dict(saved[w])  # streaming: its own parameters replace θ
+                self.sync.load_worker_state(w, saved[w])
+        self.b_max.update({w: int(s["b_max"]) for w, s in saved.items() if "b_max" in s and w in self.b_max})
         self.sync.load_state_dict(state.get("pending", {}))
         if self.costs is not None and "costs" in state:
             self.costs.load_state_dict(state["costs"])
+
+    def _resize(self, saved: dict[int, dict]) -> None:
+        """An elastic resume with another worker count: the highest worker ids retire (their data streams are kept
+        for their return), new ids join the trainer with the fewest workers from θ with fresh inner state."""
+        if not self.config.elastic:
+            raise CheckpointError(
+                f"the checkpoint has {len(saved)} workers, this run {self.config.total_workers}; set elastic=true "
+                "to let the worker count change"
+            )
+        current = set(range(self.config.total_workers))
+        for w in sorted(set(saved) - current):
+            self.retired_streams[w] = saved[w]["stream"]
+        for trainer in self.trainers.values():
+            trainer.worker_ids = [w for w in trainer.worker_ids if w in current]
+        joined = sorted(current - set(saved))
+        for w in joined:
+            smallest = min(self.trainers.values(), key=lambda t: (len(t.worker_ids), t.trainer_id))
+            smallest.worker_ids = sorted([*smallest.worker_ids, w])
+            stream = self.retired_streams.pop(w, None)
+            if stream is not None and w in self.workers:
+                self.workers[w].stream.load_state_dict(stream)  # a returning worker reads on where it stopped
+        log.info(
+            "elastic: %d workers in the checkpoint, %d now (retired %s, joined %s)",
+            len(saved),
+            len(current),
+            sorted(set(saved) - current) or "none",
+            joined or "none",
+        )
+        self.resized = (len(saved), len(current))
 
 
 def parameter_fragments(config: TrainConfig, names: list[str]) -> list[list[int]] | None:

@@ -389,6 +389,13 @@ class TrainConfig(BaseModel):
     slots_per_rank: int | None = Field(
         None, ge=1, description="Worker slots per rank under torchrun; default: all workers spread evenly."
     )
+    elastic: bool = Field(
+        False,
+        description="Let the worker count change when the run resumes (one trainer, in-memory corpus). Under "
+        "torchrun the job has world size × slots_per_rank (default 1) workers, so a restart with fewer or more "
+        "ranks (--nnodes=MIN:MAX) resizes it; in one process `workers` may change on resume. Retired workers' data "
+        "streams are kept for their return; new workers start from θ with fresh inner state (docs/distributed.md).",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     inner: InnerConfig = Field(default_factory=InnerConfig)
@@ -448,6 +455,7 @@ class TrainConfig(BaseModel):
                 f"localsgd); streaming overlaps fragments with streaming.overlap"
             )
         self._check_shares()
+        self._check_elastic()
         if self.method == "ddp" and self.codec.name != "none":
             raise ValueError("codec.name: ddp exchanges gradients every step; codecs apply to pseudo-gradients")
         if self.batch.b_min > self.batch.b_cap:
@@ -468,6 +476,16 @@ class TrainConfig(BaseModel):
                 f"batch.step_seconds: {len(batch.step_seconds)} pairs for {self.total_workers} workers; "
                 "give one [a, c] for all or one per worker"
             )
+
+    def _check_elastic(self) -> None:
+        if not self.elastic:
+            return
+        if self.trainers != 1:
+            raise ValueError(f"elastic: resizes one trainer's workers; this run has trainers={self.trainers}")
+        if self.data.streaming:
+            raise ValueError("elastic: a streamed corpus is dealt out to a fixed worker count; use the in-memory one")
+        if isinstance(self.batch.step_seconds, list):
+            raise ValueError("elastic: batch.step_seconds pins one pair per worker; give one [a, c] for all")
 
     def _resolve_model(self) -> None:
         model = self.model
@@ -607,13 +625,19 @@ RESUME_SAFE_KEYS = (
 )
 
 
-def resume_safe(key: str) -> bool:
-    """Whether the dotted ``key`` may change on resume."""
+def resume_safe(key: str, elastic: bool = False) -> bool:
+    """Whether the dotted ``key`` may change on resume (``workers`` too in an elastic run)."""
+    if elastic and key == "workers":
+        return True
     return any(key == safe or (safe.endswith(".*") and key.startswith(safe[:-1])) for safe in RESUME_SAFE_KEYS)
 
 
-def _unsafe_message(key: str) -> str:
-    return f"'{key}' cannot change when a run resumes; only {', '.join(RESUME_SAFE_KEYS)} can"
+def _safe_keys(elastic: bool) -> str:
+    return ", ".join(("workers", *RESUME_SAFE_KEYS) if elastic else RESUME_SAFE_KEYS)
+
+
+def _unsafe_message(key: str, elastic: bool) -> str:
+    return f"'{key}' cannot change when a run resumes; only {_safe_keys(elastic)} can"
 
 
 def resume_config(run_dir: Path, overrides: list[str] | None = None) -> TrainConfig:
@@ -623,10 +647,11 @@ def resume_config(run_dir: Path, overrides: list[str] | None = None) -> TrainCon
         raise ConfigError(f"run directory '{run_dir}' does not exist")
     if not path.exists():
         raise ConfigError(f"'{run_dir}' is not a run directory (no {RUN_CONFIG_FILE})")
+    elastic = load_config(path).elastic
     for item in overrides or []:
         key = item.partition("=")[0].strip()
-        if "=" in item and not resume_safe(key):
-            raise ConfigError(_unsafe_message(key))
+        if "=" in item and not resume_safe(key, elastic):
+            raise ConfigError(_unsafe_message(key, elastic))
     return load_config(path, overrides)
 
 
@@ -644,11 +669,11 @@ def resume_changes(saved: dict[str, Any] | None, config: TrainConfig) -> list[st
     changes = []
     for key in sorted(set(before) | set(after)):
         if before.get(key) != after.get(key):
-            if not resume_safe(key):
+            if not resume_safe(key, config.elastic and before.get("elastic") is True):
                 noun = key.split(".")[0] if "." in key else "setting"
                 raise CheckpointError(
                     f"the checkpoint was written with another {noun}: {key} {before.get(key)!r}, now "
-                    f"{after.get(key)!r}; only {', '.join(RESUME_SAFE_KEYS)} can change when a run resumes"
+                    f"{after.get(key)!r}; only {_safe_keys(config.elastic)} can change when a run resumes"
                 )
             changes.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
     return changes

@@ -101,7 +101,10 @@ class CostModel:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.base = {int(w): StepCost(*c) for w, c in state["base"].items()}
-        self.factor = {int(w): float(f) for w, f in state["factor"].items()}
+        saved_base = {int(w): StepCost(*c) for w, c in state["base"].items()}
+        saved_factor = {int(w): float(f) for w, f in state["factor"].items()}
+        # An elastic resize: workers the checkpoint does not know keep this start's measurement; retired ones go.
+        self.base = {w: saved_base.get(w, cost) for w, cost in self.base.items()}
+        self.factor = {w: saved_factor.get(w, 1.0) for w in self.base}
         if self.pinned_round is None:
             self.round_seconds = float(state["round_seconds"])

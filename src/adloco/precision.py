@@ -45,7 +45,7 @@ class LossScale:
     float16; the gradients are divided by it again before anything reads them. Where they overflowed, the worker
     halves the scale and computes the same step again on the same samples: unlike skipping the update, as
     ``torch.amp.GradScaler`` does, every worker then takes the same number of inner steps on the same tokens, which
-    keeps the round's budget, the workers' step counts (a stacked update needs them equal) and the data order.
+    keeps the round's budget, the workers' step counts and the data order.
     After ``GROWTH_INTERVAL`` steps in a row without an overflow the scale doubles. Scales are powers of two, so
     scaling and unscaling change no bit of a gradient that neither overflows nor underflows.
     """

@@ -213,7 +213,10 @@ def _restart_plan(config: TrainConfig) -> tuple[str, str]:
         raise ConfigError(f"job pointer '{pointer}' cannot be read ({error})") from None
     if not (run_dir / RUN_CONFIG_FILE).exists():
         return ("new", "")
-    if resume_config(run_dir).to_yaml() != config.to_yaml():
+    started = resume_config(run_dir)
+    if started.elastic and config.elastic:  # a restart with another world size resizes the job
+        started = started.model_copy(update={"workers": config.workers})
+    if started.to_yaml() != config.to_yaml():
         # A pointer left by another job of the same id: never mix two configurations in one directory.
         raise ConfigError(f"run directory '{run_dir}' named by '{pointer}' was started with another configuration")
     return ("resume" if list_checkpoints(run_dir / "checkpoints") else "again", str(run_dir))
@@ -301,7 +304,17 @@ def _agree_on_restart(config: TrainConfig, comm: Communicator) -> tuple[str, str
     return plan
 
 
+def elastic_size(config: TrainConfig, comm: Communicator) -> TrainConfig:
+    """The config of this start: under torchrun an elastic job has as many workers as its ranks hold slots."""
+    if not config.elastic or not launched_by_torchrun():
+        return config
+    workers = comm.world_size * (config.slots_per_rank or 1)
+    log.info("elastic: %d ranks × %d worker slots = %d workers", comm.world_size, workers // comm.world_size, workers)
+    return config.model_copy(update={"workers": workers})
+
+
 def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
+    config = elastic_size(config, comm)
     device = resolve_device(config)
     if config.compile:
         check_compile(device)
@@ -546,6 +559,10 @@ def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> _Run:
             comm.world_size,
         )
     is_root = comm.rank == 0
+    metrics = _open_metrics(config, run_dir, counters, checkpoint is not None) if is_root else None
+    if metrics is not None and cluster.resized is not None:
+        before, now = cluster.resized
+        metrics.write("resize", round=counters["round"], tokens=counters["tokens"], workers_before=before, workers=now)
     return _Run(
         config=config,
         run_dir=run_dir,
@@ -554,7 +571,7 @@ def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> _Run:
         device=device,
         cluster=cluster,
         counters=counters,
-        metrics=_open_metrics(config, run_dir, counters, checkpoint is not None) if is_root else None,
+        metrics=metrics,
         eval_model=run_task.build_model(config.seed).to(device) if is_root else None,
         started=time.perf_counter() - counters["seconds"],
         last_checkpoint=checkpoint["round"] if checkpoint is not None else None,

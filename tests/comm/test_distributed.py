@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adloco.checkpoint import list_checkpoints
-from adloco.config import build_config
+from adloco.config import build_config, resume_config
 from adloco.metrics import read_metrics
 from adloco.training import train
 from tests.conftest import PINNED_PACE, cut_back, final_params, same_params
@@ -284,3 +284,32 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_round(tmp_path, method):
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate(timeout=30)
+
+
+# An elastic job that loses a machine and gets it back: (workers = ranks, token budget so far) per launch.
+ELASTIC = [*BASE, "method=diloco", "sync_every=2", "elastic=true", "checkpoint.every=1", "run.plots=false"]
+RESIZES = [(4, 512), (3, 896), (4, 1408)]
+
+
+def test_an_elastic_job_goes_from_4_to_3_to_4_ranks_as_in_one_process(tmp_path):
+    """Each torchrun launch resumes the run with another world size, as a restart after a machine left or joined
+    does; the in-process run resized by ``workers=`` on resume gives the same bits."""
+    local = train(build_config(overrides=[*ELASTIC, "workers=4", "total_tokens=512", f"run.root={tmp_path}"]))
+    for workers, budget in RESIZES[1:]:
+        config = resume_config(local.run_dir, [f"workers={workers}", f"total_tokens={budget}"])
+        train(config, resume=local.run_dir)
+
+    dist = tmp_path / "dist"
+    _torchrun(4, [*ELASTIC, "total_tokens=512", f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
+    for (before, _), (ranks, budget) in zip(RESIZES, RESIZES[1:], strict=False):
+        result = _torchrun(ranks, ["--resume", str(dist), f"total_tokens={budget}"], cwd=tmp_path)
+        assert result.stderr.count(f"workers: {before} -> {ranks}") == 1  # the change, said once on the terminal
+
+    assert same_params(final_params(local.run_dir), final_params(dist))
+    records = read_metrics(dist / "metrics.jsonl")
+    resizes = [(r["workers_before"], r["workers"]) for r in records if r["kind"] == "resize"]
+    assert resizes == [(4, 3), (3, 4)]
+    rounds = [r for r in records if r["kind"] == "round"]
+    local_rounds = [r for r in read_metrics(local.run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    assert [r["train_loss"] for r in rounds] == [r["train_loss"] for r in local_rounds]
+    assert [len(r["ranks"]) for r in rounds] == [4, 4, 3, 3, 4, 4]

@@ -15,7 +15,7 @@ from adloco.comm import LocalCommunicator
 from adloco.comm.distributed import job_key
 from adloco.config import ConfigError, build_config
 from adloco.metrics import read_metrics
-from adloco.training import JOBS_DIR, train
+from adloco.training import JOBS_DIR, _restart_plan, train
 from tests.comm.crash_launch import CRASH_AFTER_STEP, CRASH_RANK
 from tests.conftest import final_params, same_params
 
@@ -180,3 +180,17 @@ def test_job_key_is_stable_and_safe(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert job_key() == "none_127_0_0_1_29500"
+
+
+@pytest.mark.parametrize("elastic", [True, False])
+def test_a_restart_with_another_world_size_resumes_only_an_elastic_job(tmp_path, torchrun_env, elastic):
+    """What rank 0 of a restarted attempt decides when torchrun (--nnodes=MIN:MAX) came back with fewer ranks."""
+    job = [*RUN, f"run.root={tmp_path}", f"elastic={str(elastic).lower()}", "slots_per_rank=2"]
+    first = _train_attempt(job).run_dir  # one rank of two slots: 2 workers
+    torchrun_env.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    smaller = build_config(overrides=[*job, "workers=1"])  # a restart that came back with half the worker slots
+    if elastic:
+        assert _restart_plan(smaller) == ("resume", str(first.resolve()))
+    else:
+        with pytest.raises(ConfigError, match="started with another configuration"):
+            _restart_plan(smaller)

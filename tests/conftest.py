@@ -55,5 +55,5 @@ def cut_back(run_dir: Path, dest: Path, keep: int) -> Path:
     shutil.copytree(run_dir, dest)
     shutil.rmtree(dest / "final")
     for path in list_checkpoints(dest / "checkpoints")[keep:]:
-        path.unlink()
+        shutil.rmtree(path) if path.is_dir() else path.unlink()  # a sharded checkpoint is a folder
     return dest

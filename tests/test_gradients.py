@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from adloco import build_config, train
+from adloco.checkpoint import list_checkpoints, load_checkpoint
+from adloco.checkpoint_sharded import save_sharded_checkpoint
 from adloco.cli import main
 from adloco.gradients import analyze, parse_batch_sizes, parse_checkpoint, per_sample_gradients
 from adloco.model import build_model, next_token_loss, preset_config
@@ -147,3 +149,17 @@ def test_cli_prints_tables(run_dir, tmp_path, capsys):
     assert "B_simple" in out and "norm test" in out and str(tmp_path / "report.json") in out
     saved = json.loads((tmp_path / "report.json").read_text())
     assert [row["batch"] for row in saved["batch_sizes"]] == [2, 4] and math.isfinite(saved["noise_scale"])
+
+
+def test_a_sharded_checkpoint_reads_as_the_single_file_one(run_dir, report, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    newest = list_checkpoints(copy / "checkpoints")[-1]
+    state = load_checkpoint(newest)
+    shutil.rmtree(copy / "checkpoints")
+    save_sharded_checkpoint(copy / "checkpoints", state["round"], state, 2, 0, lambda: None, distributed=False)
+    other = analyze(
+        copy, checkpoint=state["round"], samples=SAMPLES, batch_sizes=[4], repeats=10, seed=3, out_dir=tmp_path
+    )
+    assert other["grad_norm_sq"] == pytest.approx(report["grad_norm_sq"], rel=1e-6)
+    assert other["trace_cov"] == pytest.approx(report["trace_cov"], rel=1e-6)

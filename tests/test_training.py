@@ -62,6 +62,17 @@ def test_same_seed_same_numbers_and_other_seed_differs(fast_overrides):
     [
         ["method=diloco"],
         ["method=diloco", "precision=fp16"],  # the workers' loss scales go through the checkpoint
+        ["method=diloco", "checkpoint.format=sharded"],
+        [
+            "method=adloco",
+            "checkpoint.format=sharded",
+            "trainers=2",
+            "workers=1",
+            "merge.every=3",
+            "batch.b_cap=4",
+            "total_tokens=2048",
+            *PINNED_PACE,
+        ],  # fmt: skip
         ["method=adloco", "trainers=2", "workers=1", "merge.every=3", "batch.b_cap=4", "total_tokens=2048"]
         + PINNED_PACE,
     ],

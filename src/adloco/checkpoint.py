@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,16 @@ from adloco.errors import CheckpointError, StorageError
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-_NAME = re.compile(r"^round_(\d{6})\.pt$")
+# round_<n>.pt: one file written by rank 0; round_<n>/: a sharded checkpoint, one file per rank (DCP)
+_NAME = re.compile(r"^round_(\d{6})(\.pt)?$")
+
+
+def checkpoint_round(path: Path) -> int:
+    """The round a checkpoint file or folder was written after."""
+    match = _NAME.match(path.name)
+    if match is None:
+        raise ValueError(f"'{path.name}' is not a checkpoint name")
+    return int(match.group(1))
 
 
 def write_failure(error: OSError, what: str, path: Path | str) -> StorageError:
@@ -97,8 +107,15 @@ def save_checkpoint(directory: Path, round_index: int, state: dict[str, Any], ke
         atomic_write_bytes(path, data)
     except OSError as error:
         raise write_failure(error, "checkpoint", path) from None
+    _record(directory, {"file": path.name, "round": round_index, "bytes": len(data), "sha256": _sha256(data)}, keep)
+    return path
+
+
+def _record(directory: Path, entry: dict[str, Any], keep: int) -> None:
+    """Add a checkpoint that is complete on disk to the manifest, and remove all but the newest ``keep``."""
+    path = directory / entry["file"]
     entries = [e for e in read_manifest(directory) if e.get("file") != path.name and (directory / e["file"]).exists()]
-    entries.append({"file": path.name, "round": round_index, "bytes": len(data), "sha256": _sha256(data)})
+    entries.append(entry)
     kept, dropped = entries[-keep:], entries[:-keep]
     manifest = {"format_version": FORMAT_VERSION, "checkpoints": kept}
     try:
@@ -110,17 +127,24 @@ def save_checkpoint(directory: Path, round_index: int, state: dict[str, Any], ke
         p for p in list_checkpoints(directory) if p.name not in names
     ]:
         try:
-            old.unlink(missing_ok=True)
+            _remove(old)
         except OSError as error:  # the new checkpoint is safe; an old one left behind costs only space
             log.warning("could not remove old checkpoint %s: %s", old.name, error.strerror)
-    return path
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Checkpoints in ``directory``, oldest first."""
+    """Checkpoints in ``directory`` (files and sharded folders), oldest first."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
+    return sorted((p for p in directory.iterdir() if _NAME.match(p.name)), key=lambda p: (checkpoint_round(p), p.name))
+
+
+def _remove(path: Path) -> None:
+    """A checkpoint file or sharded folder, gone."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: Path, sha256: str | None = None, training: bool = False) -> dict[str, Any]:
@@ -129,6 +153,10 @@ def load_checkpoint(path: Path, sha256: str | None = None, training: bool = Fals
     With ``training`` the top level must also have the shape a training run writes (trainers, workers,
     counters), so a foreign torch file is refused here rather than failing half-way through a resume.
     """
+    if path.is_dir():
+        from adloco.checkpoint_sharded import load_sharded_checkpoint  # it builds on this module
+
+        return _checked_shape(path, load_sharded_checkpoint(path), training)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -149,6 +177,10 @@ def load_checkpoint(path: Path, sha256: str | None = None, training: bool = Fals
         raise CheckpointError(
             f"checkpoint '{path}' has format version {state['format_version']!r}, this adloco reads {FORMAT_VERSION}"
         )
+    return _checked_shape(path, state, training)
+
+
+def _checked_shape(path: Path, state: dict[str, Any], training: bool) -> dict[str, Any]:
     problem = _shape_problem(state) if training else ""
     if problem:
         raise CheckpointError(f"checkpoint '{path}' is not an adloco training checkpoint ({problem})")

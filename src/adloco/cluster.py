@@ -566,9 +566,17 @@ class Cluster:
         gathered = self.comm.gather_objects({w: self._worker_state(w) for w in self.workers})
         if gathered is None:
             return None
+        return {**self.shared_state(), "workers": {w: state for part in gathered for w, state in part.items()}}
+
+    def local_state_dict(self) -> dict:
+        """What this rank writes of a sharded checkpoint: its workers, and on rank 0 the shared state too."""
+        workers = {w: self._worker_state(w) for w in self.workers}
+        return {**(self.shared_state() if self.comm.rank == 0 else {}), "workers": workers}
+
+    def shared_state(self) -> dict:
+        """Trainers, exchanges in flight and costs: the same on every rank after a round, saved once."""
         return {
             "trainers": {k: t.state_dict() for k, t in self.trainers.items()},
-            "workers": {w: state for part in gathered for w, state in part.items()},
             "pending": self.sync.state_dict(),
             **({"costs": self.costs.state_dict()} if self.costs is not None else {}),
             **({"retired_streams": dict(self.retired_streams)} if self.retired_streams else {}),

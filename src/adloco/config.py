@@ -240,6 +240,12 @@ class CheckpointConfig(_Section):
         "torchrun: by the first rank whose clock says so; the round's reports make every rank agree).",
     )
     keep: int = Field(2, ge=1, description="How many checkpoints to keep.")
+    format: Literal["file", "sharded"] = Field(
+        "file",
+        description="file: one file that rank 0 writes (every rank's workers gathered to it); sharded: a folder "
+        "where every rank writes its own workers with torch.distributed.checkpoint (needs a file system all ranks "
+        "share). Either resumes on any number of ranks.",
+    )
 
 
 class StreamingConfig(_Section):

@@ -24,7 +24,7 @@ import torch
 
 from adloco.algorithms.batch_tests import BatchSizeController, GradientStatistics, statistics_from_gram
 from adloco.algorithms.noise import batch_deviations, gram_of_rows, predicted_deviation, simple_noise_scale
-from adloco.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, read_manifest
+from adloco.checkpoint import CheckpointError, checkpoint_round, list_checkpoints, load_checkpoint, read_manifest
 from adloco.config import ConfigError, TrainConfig
 from adloco.data import SAVED_DIR, build_tokenizer, load_corpus
 from adloco.metrics import read_metrics
@@ -126,9 +126,10 @@ def _checkpoint_path(directory: Path, round_index: int | str) -> tuple[Path, str
     available = list_checkpoints(directory)
     if not available:
         raise CheckpointError(f"'{directory.parent}' has no checkpoints in {directory.name}/")
-    path = available[-1] if round_index == "latest" else directory / f"round_{int(round_index):06d}.pt"
-    if not path.exists():
-        rounds = ", ".join(str(int(p.stem.split("_")[1])) for p in available)
+    by_round = {checkpoint_round(p): p for p in available}
+    path = available[-1] if round_index == "latest" else by_round.get(int(round_index))
+    if path is None:
+        rounds = ", ".join(str(r) for r in by_round)
         raise CheckpointError(f"no checkpoint of round {round_index} in '{directory}' (available: {rounds})")
     sha256 = next((e.get("sha256") for e in read_manifest(directory) if e.get("file") == path.name), None)
     return path, sha256

@@ -30,7 +30,7 @@ from adloco.units import short_count
 
 RUNNING_FILE = "RUNNING"
 FAILED_FILE = "FAILED"
-_CHECKPOINT = re.compile(r"^round_(\d+)\.pt$")
+_CHECKPOINT = re.compile(r"^round_(\d+)(\.pt)?$")  # a file, or a sharded checkpoint's folder
 
 
 def _process_start(pid: int) -> str | None:

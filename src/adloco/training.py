@@ -18,6 +18,7 @@ from transformers.utils import logging as hf_logging
 
 from adloco.algorithms.schedules import inner_lr
 from adloco.checkpoint import (
+    FORMAT_VERSION,
     CheckpointError,
     apply_umask,
     atomic_write_bytes,
@@ -26,6 +27,7 @@ from adloco.checkpoint import (
     save_checkpoint,
     write_failure,
 )
+from adloco.checkpoint_sharded import save_sharded_checkpoint
 from adloco.cluster import Cluster, MergeEvent, RoundReport, StepProgress, rank_placement
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.comm.distributed import (
@@ -820,8 +822,18 @@ def _round_record(
 
 
 def _checkpoint(run: _Run, round_index: int) -> None:
-    state = run.cluster.state_dict()  # collective: every rank hands its workers' state to rank 0
     run.last_checkpoint, run.checkpointed_at = round_index, time.monotonic()
+    if run.config.checkpoint.format == "sharded":  # collective: every rank writes its own workers
+        part = {"cluster": run.cluster.local_state_dict()}
+        if run.is_root:
+            part.update(format_version=FORMAT_VERSION, round=round_index, counters=dict(run.counters))
+            part["config"] = run.config.model_dump()
+        distributed = isinstance(run.comm, DistributedCommunicator)
+        directory = run.run_dir / "checkpoints"
+        keep = run.config.checkpoint.keep
+        save_sharded_checkpoint(directory, round_index, part, keep, run.comm.rank, run.comm.barrier, distributed)
+        return
+    state = run.cluster.state_dict()  # collective: every rank hands its workers' state to rank 0
     if run.is_root:
         save_checkpoint(
             run.run_dir / "checkpoints",

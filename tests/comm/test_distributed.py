@@ -293,15 +293,19 @@ RESIZES = [(4, 512), (3, 896), (4, 1408)]
 
 def test_an_elastic_job_goes_from_4_to_3_to_4_ranks_as_in_one_process(tmp_path):
     """Each torchrun launch resumes the run with another world size, as a restart after a machine left or joined
-    does; the in-process run resized by ``workers=`` on resume gives the same bits."""
+    does; the in-process run resized by ``workers=`` on resume (with single-file checkpoints) gives the same bits."""
     local = train(build_config(overrides=[*ELASTIC, "workers=4", "total_tokens=512", f"run.root={tmp_path}"]))
     for workers, budget in RESIZES[1:]:
         config = resume_config(local.run_dir, [f"workers={workers}", f"total_tokens={budget}"])
         train(config, resume=local.run_dir)
 
+    # The job writes sharded checkpoints (a file per rank), which each launch reads with another rank count.
     dist = tmp_path / "dist"
-    _torchrun(4, [*ELASTIC, "total_tokens=512", f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
+    sharded = ["checkpoint.format=sharded", "checkpoint.keep=1"]
+    _torchrun(4, [*ELASTIC, *sharded, "total_tokens=512", f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
     for (before, _), (ranks, budget) in zip(RESIZES, RESIZES[1:], strict=False):
+        (newest,) = list_checkpoints(dist / "checkpoints")
+        assert sorted(p.name for p in newest.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(before)]
         result = _torchrun(ranks, ["--resume", str(dist), f"total_tokens={budget}"], cwd=tmp_path)
         assert result.stderr.count(f"workers: {before} -> {ranks}") == 1  # the change, said once on the terminal
 

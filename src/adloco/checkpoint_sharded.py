@@ -1,0 +1,149 @@
+"""Sharded checkpoints: every rank writes the state it holds, with ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint is the folder ``round_<n>/``: one ``__<rank>_0.distcp`` file per rank and DCP's ``.metadata``. Rank 0
+contributes the shared state (trainers, exchanges in flight, counters, config) and its own workers; every other
+rank only its workers, so no rank gathers the others' optimizer states. The folder is written as
+``.round_<n>.tmp/`` and renamed once DCP has finished on every rank; the manifest then records a checksum per file,
+so a crash at any moment leaves the previous checkpoint the newest one named.
+
+DCP keeps tensors by name and pickles anything else, but flattens nested dicts in a way that loses empty ones and
+integer keys. So each rank's state is split here into its tensors (under their path) and a skeleton holding
+everything else, with each tensor replaced by a reference; the skeleton travels as a byte tensor and is read back
+with ``weights_only`` loading. Any rank can read the whole checkpoint, whatever the rank count that wrote it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from adloco.checkpoint import FORMAT_VERSION, _record, _sha256, read_manifest, write_failure
+from adloco.errors import CheckpointError
+
+_REF = "\x00tensor:"  # marks a tensor's place in a skeleton; no state string starts with a NUL
+_SKELETON = "skeleton/"
+
+
+def _split(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """``value`` with each tensor moved into ``tensors`` under its path and replaced by a reference."""
+    if torch.is_tensor(value):
+        tensors[path] = value.detach().cpu().contiguous()
+        return _REF + path
+    if isinstance(value, dict):
+        return {k: _split(v, f"{path}/{k}", tensors) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_split(v, f"{path}/{i}", tensors) for i, v in enumerate(value))
+    return value
+
+
+def _join(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, str) and value.startswith(_REF):
+        return tensors[value[len(_REF) :]]
+    if isinstance(value, dict):
+        return {k: _join(v, tensors) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_join(v, tensors) for v in value)
+    return value
+
+
+def _as_bytes(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def save_sharded_checkpoint(
+    directory: Path,
+    round_index: int,
+    part: dict[str, Any],
+    keep: int,
+    rank: int,
+    barrier: Callable[[], None],
+    distributed: bool,
+) -> Path:
+    """Write this rank's ``part`` of checkpoint ``round_<n>/`` (collective: every rank calls it); rank 0's part
+    holds the shared state. Rank 0 then renames the folder into place and records it in the manifest."""
+    final = directory / f"round_{round_index:06d}"
+    tmp = directory / f".{final.name}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way; never mixed into this one
+        tmp.mkdir(parents=True)
+    barrier()
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _split(part, f"{rank}", tensors)
+    state = {**tensors, f"{_SKELETON}{rank}": _as_bytes(skeleton)}
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not distributed)
+    except OSError as error:
+        raise write_failure(error, "checkpoint", tmp) from None
+    if rank == 0:
+        _finish(directory, tmp, final, round_index, keep)
+    return final
+
+
+def _finish(directory: Path, tmp: Path, final: Path, round_index: int, keep: int) -> None:
+    """Checksums, the rename that makes the folder a checkpoint, and its manifest entry (rank 0)."""
+    files = {p.name: _sha256(p.read_bytes()) for p in sorted(tmp.iterdir())}
+    size = sum(p.stat().st_size for p in tmp.iterdir())
+    try:
+        if final.exists():  # the same round saved again after a resume
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        handle = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+    except OSError as error:
+        raise write_failure(error, "checkpoint", final) from None
+    _record(directory, {"file": final.name, "round": round_index, "bytes": size, "files": files}, keep)
+
+
+def load_sharded_checkpoint(path: Path) -> dict[str, Any]:
+    """Every rank's part of ``round_<n>/``, checked against the manifest's checksums and put back together."""
+    _check_files(path)
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        template = {
+            key: torch.empty(item.size, dtype=item.properties.dtype)
+            for key, item in metadata.state_dict_metadata.items()
+        }
+        dcp.load(template, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        parts = [
+            torch.load(io.BytesIO(template[key].numpy().tobytes()), weights_only=True)
+            for key in sorted(k for k in template if k.startswith(_SKELETON))
+        ]
+    except Exception as error:  # DCP and torch raise many types for damaged files
+        raise CheckpointError(f"checkpoint '{path}' is damaged or not a checkpoint ({type(error).__name__})") from None
+    joined = [_join(p, template) for p in parts]
+    merged = next((p for p in joined if isinstance(p, dict) and "format_version" in p), None)
+    if merged is None:
+        raise CheckpointError(f"checkpoint '{path}' has no shared state (rank 0's part)")
+    for part in joined:
+        if part is not merged:
+            merged["cluster"]["workers"].update(part["cluster"]["workers"])
+    if merged["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint '{path}' has format version {merged['format_version']!r}, this adloco reads {FORMAT_VERSION}"
+        )
+    return merged
+
+
+def _check_files(path: Path) -> None:
+    entry = next((e for e in read_manifest(path.parent) if e["file"] == path.name), None)
+    files = entry.get("files") if entry is not None else None
+    if not isinstance(files, dict):
+        return  # not (yet) in the manifest: the folder is whole, as only a finished save is renamed into place
+    for name, digest in files.items():
+        with contextlib.suppress(FileNotFoundError):
+            if _sha256((path / name).read_bytes()) == digest:
+                continue
+        raise CheckpointError(f"checkpoint '{path}' is damaged (file {name} is missing or fails its checksum)")

@@ -1,0 +1,93 @@
+"""Sharded checkpoints (one file per rank, DCP): what goes in comes out, damage is caught, a torn save is ignored."""
+
+import logging
+
+import pytest
+import torch
+
+from adloco.checkpoint import FORMAT_VERSION, CheckpointError, latest_checkpoint, list_checkpoints, save_checkpoint
+from adloco.checkpoint_sharded import save_sharded_checkpoint
+
+
+def _shared(round_index: int) -> dict:
+    """Rank 0's part: the awkward shapes a cluster's state has (integer keys, empty dicts, None, bytes of a
+    generator, several dtypes, lists of tensors and of plain values)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "round": round_index,
+        "counters": {"round": round_index, "tokens": 64, "step": 2, "bytes": 0, "seconds": 1.5},
+        "cluster": {
+            "trainers": {0: {"theta": [torch.randn(3, 2), torch.arange(4)], "batch_size": 3, "worker_ids": [0, 1]}},
+            "pending": {},
+            "workers": {0: _worker(0)},
+        },
+    }
+
+
+def _worker(seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "params": None,
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(2.0), "exp_avg": torch.randn(3, 2, generator=generator)}, 1: {}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99), "params": [0, 1]}],
+        },
+        "stream": {"generator": generator.get_state()},
+        "b_max": 8,
+        "loss_scale": {"scale": 65536.0, "good_steps": 3},
+    }
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_what_was_written_comes_back_whole(tmp_path):
+    """One rank here (several ranks' parts are merged under torchrun: tests/comm/test_distributed.py)."""
+    expected = _shared(3)
+    expected["cluster"]["workers"][1] = _worker(1)
+    save_sharded_checkpoint(tmp_path, 3, expected, 2, 0, lambda: None, distributed=False)
+    (folder,) = list_checkpoints(tmp_path)
+    assert folder.is_dir() and folder.name == "round_000003"
+    assert _same(latest_checkpoint(tmp_path), expected)
+
+
+def test_a_damaged_shard_falls_back_to_the_previous_checkpoint(tmp_path, caplog):
+    save_checkpoint(tmp_path, 1, _shared(1), keep=3)  # the formats mix in one folder
+    save_sharded_checkpoint(tmp_path, 2, _shared(2), 3, 0, lambda: None, distributed=False)
+    shard = next((tmp_path / "round_000002").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(tmp_path)["round"] == 1
+    assert "fails its checksum" in caplog.text
+
+
+def test_a_save_that_died_half_way_is_not_a_checkpoint_and_is_cleared_by_the_next(tmp_path):
+    save_sharded_checkpoint(tmp_path, 1, _shared(1), 2, 0, lambda: None, distributed=False)
+    torn = tmp_path / ".round_000002.tmp"
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"half")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["round_000001"]
+    assert latest_checkpoint(tmp_path)["round"] == 1
+    save_sharded_checkpoint(tmp_path, 2, _shared(2), 2, 0, lambda: None, distributed=False)
+    assert not torn.exists() and latest_checkpoint(tmp_path)["round"] == 2
+
+
+def test_only_the_newest_folders_are_kept(tmp_path):
+    for r in range(4):
+        save_sharded_checkpoint(tmp_path, r, _shared(r), 2, 0, lambda: None, distributed=False)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["round_000002", "round_000003"]
+
+
+def test_a_folder_without_rank_0s_part_is_refused(tmp_path):
+    save_sharded_checkpoint(tmp_path, 1, {"cluster": {"workers": {1: _worker(1)}}}, 2, 0, lambda: None, False)
+    with pytest.raises(CheckpointError, match="no shared state"):
+        latest_checkpoint(tmp_path)

@@ -18,7 +18,8 @@ import contextlib
 import io
 import os
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,14 @@ def _join(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process whenever it runs without a process group, as adloco means it to."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def _as_bytes(obj: Any) -> torch.Tensor:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
@@ -81,7 +90,8 @@ def save_sharded_checkpoint(
     skeleton = _split(part, f"{rank}", tensors)
     state = {**tensors, f"{_SKELETON}{rank}": _as_bytes(skeleton)}
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not distributed)
+        with _single_process_quiet():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not distributed)
     except OSError as error:
         raise write_failure(error, "checkpoint", tmp) from None
     if rank == 0:
@@ -116,7 +126,8 @@ def load_sharded_checkpoint(path: Path) -> dict[str, Any]:
             key: torch.empty(item.size, dtype=item.properties.dtype)
             for key, item in metadata.state_dict_metadata.items()
         }
-        dcp.load(template, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        with _single_process_quiet():
+            dcp.load(template, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
         parts = [
             torch.load(io.BytesIO(template[key].numpy().tobytes()), weights_only=True)
             for key in sorted(k for k in template if k.startswith(_SKELETON))

@@ -91,3 +91,12 @@ def test_a_folder_without_rank_0s_part_is_refused(tmp_path):
     save_sharded_checkpoint(tmp_path, 1, {"cluster": {"workers": {1: _worker(1)}}}, 2, 0, lambda: None, False)
     with pytest.raises(CheckpointError, match="no shared state"):
         latest_checkpoint(tmp_path)
+
+
+def test_a_rank_reads_only_the_workers_it_asks_for(tmp_path):
+    state = _shared(3)
+    state["cluster"]["workers"][1] = _worker(1)
+    save_sharded_checkpoint(tmp_path, 3, state, 2, 0, lambda: None, distributed=False)
+    mine = latest_checkpoint(tmp_path, wanted=lambda w: w == 1)
+    assert list(mine["cluster"]["workers"]) == [1] and _same(mine["cluster"]["workers"][1], _worker(1))
+    assert _same(mine["cluster"]["trainers"], state["cluster"]["trainers"])  # the shared state comes whole

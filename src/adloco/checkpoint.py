@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -147,16 +148,19 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def load_checkpoint(path: Path, sha256: str | None = None, training: bool = False) -> dict[str, Any]:
+def load_checkpoint(
+    path: Path, sha256: str | None = None, training: bool = False, wanted: Callable[[int], bool] | None = None
+) -> dict[str, Any]:
     """Load and check one checkpoint; with ``sha256`` the file must match the manifest's checksum.
 
     With ``training`` the top level must also have the shape a training run writes (trainers, workers,
-    counters), so a foreign torch file is refused here rather than failing half-way through a resume.
+    counters), so a foreign torch file is refused here rather than failing half-way through a resume. With
+    ``wanted`` the workers it refuses are left out (a sharded checkpoint does not even read them).
     """
     if path.is_dir():
         from adloco.checkpoint_sharded import load_sharded_checkpoint  # it builds on this module
 
-        return _checked_shape(path, load_sharded_checkpoint(path), training)
+        return _checked_shape(path, load_sharded_checkpoint(path, wanted), training)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -177,7 +181,14 @@ def load_checkpoint(path: Path, sha256: str | None = None, training: bool = Fals
         raise CheckpointError(
             f"checkpoint '{path}' has format version {state['format_version']!r}, this adloco reads {FORMAT_VERSION}"
         )
-    return _checked_shape(path, state, training)
+    state = _checked_shape(path, state, training)
+    if wanted is not None and isinstance(state.get("cluster"), dict):
+        cluster = state["cluster"]
+        workers = cluster.get("workers", {})
+        # checkpoints from before the shared b_max table kept each worker's b_max with the worker only
+        cluster.setdefault("b_max", {w: s["b_max"] for w, s in workers.items() if "b_max" in s})
+        cluster["workers"] = {w: s for w, s in workers.items() if wanted(w)}
+    return state
 
 
 def _checked_shape(path: Path, state: dict[str, Any], training: bool) -> dict[str, Any]:
@@ -204,8 +215,11 @@ def _shape_problem(state: dict[str, Any]) -> str:
     return ""
 
 
-def latest_checkpoint(directory: Path, training: bool = False) -> dict[str, Any] | None:
-    """The newest usable checkpoint; a damaged one is reported and the one before it is used."""
+def latest_checkpoint(
+    directory: Path, training: bool = False, wanted: Callable[[int], bool] | None = None
+) -> dict[str, Any] | None:
+    """The newest usable checkpoint (with only the workers ``wanted`` accepts); a damaged one is reported and the
+    one before it is used."""
     entries = read_manifest(directory)
     candidates = [(directory / e["file"], e.get("sha256")) for e in entries]
     listed = {path.name for path, _ in candidates}
@@ -216,7 +230,7 @@ def latest_checkpoint(directory: Path, training: bool = False) -> dict[str, Any]
     problems = []
     for path, sha256 in reversed(candidates):
         try:
-            state = load_checkpoint(path, sha256, training)
+            state = load_checkpoint(path, sha256, training, wanted)
         except CheckpointError as error:
             problems.append(str(error))
             continue

@@ -9,7 +9,8 @@ so a crash at any moment leaves the previous checkpoint the newest one named.
 DCP keeps tensors by name and pickles anything else, but flattens nested dicts in a way that loses empty ones and
 integer keys. So each rank's state is split here into its tensors (under their path) and a skeleton holding
 everything else, with each tensor replaced by a reference; the skeleton travels as a byte tensor and is read back
-with ``weights_only`` loading. Any rank can read the whole checkpoint, whatever the rank count that wrote it.
+with ``weights_only`` loading. A rank reads the shared state and the workers it asks for, whatever the rank
+count that wrote them.
 """
 
 from __future__ import annotations
@@ -117,14 +118,16 @@ def _finish(directory: Path, tmp: Path, final: Path, round_index: int, keep: int
     _record(directory, {"file": final.name, "round": round_index, "bytes": size, "files": files}, keep)
 
 
-def load_sharded_checkpoint(path: Path) -> dict[str, Any]:
-    """Every rank's part of ``round_<n>/``, checked against the manifest's checksums and put back together."""
+def load_sharded_checkpoint(path: Path, wanted: Callable[[int], bool] | None = None) -> dict[str, Any]:
+    """Every rank's part of ``round_<n>/``, checked against the manifest's checksums and put back together; with
+    ``wanted``, only the workers it accepts are read (the shared state always is)."""
     _check_files(path)
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
         template = {
             key: torch.empty(item.size, dtype=item.properties.dtype)
             for key, item in metadata.state_dict_metadata.items()
+            if _worker_of(key) is None or wanted is None or wanted(_worker_of(key))
         }
         with _single_process_quiet():
             dcp.load(template, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
@@ -134,7 +137,7 @@ def load_sharded_checkpoint(path: Path) -> dict[str, Any]:
         ]
     except Exception as error:  # DCP and torch raise many types for damaged files
         raise CheckpointError(f"checkpoint '{path}' is damaged or not a checkpoint ({type(error).__name__})") from None
-    joined = [_join(p, template) for p in parts]
+    joined = [_join(_without_unwanted(p, wanted), template) for p in parts]
     merged = next((p for p in joined if isinstance(p, dict) and "format_version" in p), None)
     if merged is None:
         raise CheckpointError(f"checkpoint '{path}' has no shared state (rank 0's part)")
@@ -146,6 +149,19 @@ def load_sharded_checkpoint(path: Path) -> dict[str, Any]:
             f"checkpoint '{path}' has format version {merged['format_version']!r}, this adloco reads {FORMAT_VERSION}"
         )
     return merged
+
+
+def _worker_of(key: str) -> int | None:
+    """The worker whose state a tensor key (``<rank>/cluster/workers/<w>/...``) belongs to; None for shared state."""
+    parts = key.split("/")
+    return int(parts[3]) if len(parts) > 3 and parts[1:3] == ["cluster", "workers"] else None
+
+
+def _without_unwanted(part: Any, wanted: Callable[[int], bool] | None) -> Any:
+    if wanted is None or not isinstance(part, dict) or "cluster" not in part:
+        return part
+    workers = {w: state for w, state in part["cluster"].get("workers", {}).items() if wanted(w)}
+    return {**part, "cluster": {**part["cluster"], "workers": workers}}
 
 
 def _check_files(path: Path) -> None:

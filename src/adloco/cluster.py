@@ -577,6 +577,7 @@ class Cluster:
         """Trainers, exchanges in flight and costs: the same on every rank after a round, saved once."""
         return {
             "trainers": {k: t.state_dict() for k, t in self.trainers.items()},
+            "b_max": dict(self.b_max),  # every worker's, so a rank that reads only its own workers knows them all
             "pending": self.sync.state_dict(),
             **({"costs": self.costs.state_dict()} if self.costs is not None else {}),
             **({"retired_streams": dict(self.retired_streams)} if self.retired_streams else {}),
@@ -593,10 +594,11 @@ class Cluster:
                 del self.trainers[k]
         for k, trainer_state in saved_trainers.items():
             self.trainers[k].load_state_dict(trainer_state)
-        saved = {int(w): s for w, s in state["workers"].items()}
+        saved = {int(w): s for w, s in state["workers"].items()}  # this rank's workers, maybe all of them
+        saved_ids = sorted({int(w) for t in saved_trainers.values() for w in t["worker_ids"]})
         self.retired_streams = {int(w): s for w, s in state.get("retired_streams", {}).items()}
-        if sorted(saved) != list(range(self.config.total_workers)):
-            self._resize(saved)
+        if saved_ids != list(range(self.config.total_workers)):
+            self._resize(saved, saved_ids)
         for trainer in self.trainers.values():
             self.comm.register_group(trainer.worker_ids)
             trainer.broadcast(self.workers)
@@ -604,25 +606,27 @@ class Cluster:
             if w in saved:
                 worker.load_state_dict(saved[w])  # streaming: its own parameters replace θ
                 self.sync.load_worker_state(w, saved[w])
-        self.b_max.update({w: int(s["b_max"]) for w, s in saved.items() if "b_max" in s and w in self.b_max})
+        saved_b_max = state.get("b_max") or {w: s["b_max"] for w, s in saved.items() if "b_max" in s}
+        self.b_max.update({int(w): int(b) for w, b in saved_b_max.items() if int(w) in self.b_max})
         self.sync.load_state_dict(state.get("pending", {}))
         if self.costs is not None and "costs" in state:
             self.costs.load_state_dict(state["costs"])
 
-    def _resize(self, saved: dict[int, dict]) -> None:
+    def _resize(self, saved: dict[int, dict], saved_ids: list[int]) -> None:
         """An elastic resume with another worker count: the highest worker ids retire (their data streams are kept
-        for their return), new ids join the trainer with the fewest workers from θ with fresh inner state."""
+        for their return), new ids join the trainer with the fewest workers from θ with fresh inner state.
+        ``saved`` holds the retiring workers' states (every rank reads them) and this rank's."""
         if not self.config.elastic:
             raise CheckpointError(
-                f"the checkpoint has {len(saved)} workers, this run {self.config.total_workers}; set elastic=true "
-                "to let the worker count change"
+                f"the checkpoint has {len(saved_ids)} workers, this run {self.config.total_workers}; set "
+                "elastic=true to let the worker count change"
             )
         current = set(range(self.config.total_workers))
-        for w in sorted(set(saved) - current):
+        for w in sorted(set(saved_ids) - current):
             self.retired_streams[w] = saved[w]["stream"]
         for trainer in self.trainers.values():
             trainer.worker_ids = [w for w in trainer.worker_ids if w in current]
-        joined = sorted(current - set(saved))
+        joined = sorted(current - set(saved_ids))
         for w in joined:
             smallest = min(self.trainers.values(), key=lambda t: (len(t.worker_ids), t.trainer_id))
             smallest.worker_ids = sorted([*smallest.worker_ids, w])
@@ -631,12 +635,12 @@ class Cluster:
                 self.workers[w].stream.load_state_dict(stream)  # a returning worker reads on where it stopped
         log.info(
             "elastic: %d workers in the checkpoint, %d now (retired %s, joined %s)",
-            len(saved),
+            len(saved_ids),
             len(current),
-            sorted(set(saved) - current) or "none",
+            sorted(set(saved_ids) - current) or "none",
             joined or "none",
         )
-        self.resized = (len(saved), len(current))
+        self.resized = (len(saved_ids), len(current))
 
 
 def parameter_fragments(config: TrainConfig, names: list[str]) -> list[list[int]] | None:

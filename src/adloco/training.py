@@ -345,7 +345,7 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
     error: BaseException | None = None
     started = False
     try:
-        checkpoint = _resume_from(config, run_dir, lock, console) if resume is not None else None
+        checkpoint = _resume_from(config, run_dir, lock, console, comm) if resume is not None else None
         if restart is not None and comm.rank == 0:
             _announce_restart(restart[0], run_dir, checkpoint, console)
         started = True
@@ -398,9 +398,17 @@ def _claim_run_dir(
     return lock, Path(outcome[1])
 
 
-def _resume_from(config: TrainConfig, run_dir: Path, lock: RunLock | None, console: Console) -> dict:
-    """The newest intact checkpoint, after checking that only resume-safe settings changed since it was written."""
-    checkpoint = latest_checkpoint(run_dir / "checkpoints", training=True)
+def _resume_from(
+    config: TrainConfig, run_dir: Path, lock: RunLock | None, console: Console, comm: Communicator
+) -> dict:
+    """The newest intact checkpoint, after checking that only resume-safe settings changed since it was written.
+    Each rank keeps the workers it hosts (and those an elastic resize retires, whose streams every rank keeps)."""
+    hosted = rank_placement(config.total_workers, comm.world_size, config.slots_per_rank)
+
+    def wanted(worker_id: int) -> bool:
+        return hosted.get(worker_id, comm.rank) == comm.rank
+
+    checkpoint = latest_checkpoint(run_dir / "checkpoints", training=True, wanted=wanted)
     changes = resume_changes(checkpoint.get("config"), config)
     if lock is not None and changes:
         write_run_config(run_dir, config)  # the next resume starts from these settings

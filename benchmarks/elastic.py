@@ -13,6 +13,7 @@ resumed from, the workers before and after, and the seconds from the kill to the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -52,10 +53,8 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     """The agent and its rank (torchrun starts ranks in sessions of their own)."""
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     for pid in [proc.pid, *map(int, children)]:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def trial(kill_after: int, tokens: int, timeout: float) -> dict:

@@ -359,17 +359,18 @@ def fuzz(inputs: int, seed: int, subprocess_sample: int, work: Path) -> dict[str
     return {"inputs": inputs, "by_family": counts, "subprocess": sub, "tracebacks": tracebacks, "seconds": seconds}
 
 
-def kill_trials(trials: int, seed: int, work: Path) -> list[dict[str, Any]]:
+def kill_trials(trials: int, seed: int, work: Path, checkpoint_format: str = "file") -> list[dict[str, Any]]:
     from adloco.config import build_config
     from adloco.training import train
 
+    run = [*KILL_RUN, f"checkpoint.format={checkpoint_format}"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reference = final_params(train(build_config(overrides=[*KILL_RUN, f"run.root={work}", "run.name=ref"])).run_dir)
+        reference = final_params(train(build_config(overrides=[*run, f"run.root={work}", "run.name=ref"])).run_dir)
     rng = random.Random(seed)
     results = []
     for trial in range(trials):
-        result = kill_9_trial(work, KILL_RUN, f"killed{trial:02d}", rng.uniform(0.0, 1.5), reference)
+        result = kill_9_trial(work, run, f"killed{trial:02d}", rng.uniform(0.0, 1.5), reference)
         print(
             f"  trial {trial + 1:2d}: killed {result['killed']}, after {result['checkpoints_at_kill'][-1:]}, "
             f"resume exit {result['resume_exit_code']}, bit-identical {result['bit_identical']}",
@@ -414,6 +415,12 @@ def main() -> int:
     parser.add_argument("--subprocess", type=int, default=24, help="of which also through subprocesses (default 24)")
     parser.add_argument("--trials", type=int, default=20, help="kill -9 trials (default 20; 0 skips them)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--checkpoint-format",
+        choices=["file", "sharded"],
+        default="file",
+        help="checkpoint.format of the kill -9 trials (results of 'sharded' go to reliability-sharded.*)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     import adloco
@@ -425,7 +432,7 @@ def main() -> int:
         fuzzed = fuzz(args.inputs, args.seed, args.subprocess, work / "fuzz")
         print(f"kill -9: {args.trials} trials ...", flush=True)
         (work / "kill").mkdir()
-        trials = kill_trials(args.trials, args.seed, work / "kill") if args.trials else []
+        trials = kill_trials(args.trials, args.seed, work / "kill", args.checkpoint_format) if args.trials else []
     summary = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "command": " ".join(["python benchmarks/reliability.py", *sys.argv[1:]]),
@@ -442,8 +449,9 @@ def main() -> int:
     for item in fuzzed["tracebacks"][:20]:
         print(f"traceback: {item['family']}: {item['input']} -> {item['detail']}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "reliability.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    (args.out / "reliability.md").write_text(table)
+    stem = "reliability" if args.checkpoint_format == "file" else "reliability-sharded"
+    (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    (args.out / f"{stem}.md").write_text(table)
     bad_trials = [t for t in trials if not (t["killed"] and t["bit_identical"])]
     return 1 if fuzzed["tracebacks"] or bad_trials else 0
 

@@ -87,9 +87,10 @@ def test_overlap_sends_the_same_bytes_and_changes_the_trajectory(fast_overrides)
     assert rounds["delayed"][0]["train_loss"] == rounds["none"][0]["train_loss"]
 
 
-@pytest.mark.parametrize("mode", ["delayed", "eager"])
-def test_resume_with_an_exchange_in_flight_is_bit_identical(mode, fast_overrides, tmp_path):
+@pytest.mark.parametrize(("mode", "checkpoint_format"), [("delayed", "file"), ("eager", "file"), ("eager", "sharded")])
+def test_resume_with_an_exchange_in_flight_is_bit_identical(mode, checkpoint_format, fast_overrides, tmp_path):
     overrides = [*fast_overrides, "method=diloco", f"outer.overlap={mode}", "checkpoint.every=1", "checkpoint.keep=9"]
+    overrides.append(f"checkpoint.format={checkpoint_format}")
     config = build_config(overrides=overrides)
     full = train(config)
     partial = cut_back(full.run_dir, tmp_path / "partial", keep=2)

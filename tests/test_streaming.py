@@ -81,7 +81,9 @@ def test_peak_bytes_per_sync_is_one_fragment(fast_overrides):
     assert peak < 0.5 * full
 
 
-def test_resume_with_an_exchange_in_flight_is_bit_identical(fast_overrides, tmp_path):
+@pytest.mark.parametrize("checkpoint_format", ["file", "sharded"])
+def test_resume_with_an_exchange_in_flight_is_bit_identical(checkpoint_format, fast_overrides, tmp_path):
+    """Worker parameters, error-feedback residuals and an exchange in flight all go through the checkpoint."""
     config = build_config(
         overrides=[
             *fast_overrides,
@@ -90,6 +92,7 @@ def test_resume_with_an_exchange_in_flight_is_bit_identical(fast_overrides, tmp_
             "codec.error_feedback=true",
             "checkpoint.every=1",
             "checkpoint.keep=100",
+            f"checkpoint.format={checkpoint_format}",
         ]
     )
     full = train(config)

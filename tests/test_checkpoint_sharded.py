@@ -1,12 +1,15 @@
 """Sharded checkpoints (one file per rank, DCP): what goes in comes out, damage is caught, a torn save is ignored."""
 
+import errno
 import logging
+import traceback
 
 import pytest
 import torch
 
 from adloco.checkpoint import FORMAT_VERSION, CheckpointError, latest_checkpoint, list_checkpoints, save_checkpoint
 from adloco.checkpoint_sharded import save_sharded_checkpoint
+from adloco.errors import StorageError
 
 
 def _shared(round_index: int) -> dict:
@@ -100,3 +103,32 @@ def test_a_rank_reads_only_the_workers_it_asks_for(tmp_path):
     mine = latest_checkpoint(tmp_path, wanted=lambda w: w == 1)
     assert list(mine["cluster"]["workers"]) == [1] and _same(mine["cluster"]["workers"][1], _worker(1))
     assert _same(mine["cluster"]["trainers"], state["cluster"]["trainers"])  # the shared state comes whole
+
+
+def test_a_full_disk_during_the_save_is_one_line(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from adloco import checkpoint_sharded
+
+    def no_space(*args, **kwargs):
+        failure = OSError(errno.ENOSPC, "No space left on device")
+        raise CheckpointException("save", {0: (failure, traceback.StackSummary())})
+
+    monkeypatch.setattr(checkpoint_sharded.dcp, "save", no_space)
+    with pytest.raises(StorageError, match="no space left on device while writing checkpoint"):
+        save_sharded_checkpoint(tmp_path, 1, _shared(1), 2, 0, lambda: None, distributed=False)
+
+
+def test_a_truncated_shard_that_no_checksum_covers_falls_back(tmp_path):
+    save_sharded_checkpoint(tmp_path, 1, _shared(1), 3, 0, lambda: None, distributed=False)
+    save_sharded_checkpoint(tmp_path, 2, _shared(2), 3, 0, lambda: None, distributed=False)
+    (tmp_path / "manifest.json").unlink()  # no checksums left: the load itself must notice
+    shard = next((tmp_path / "round_000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert latest_checkpoint(tmp_path)["round"] == 1
+
+
+def test_leftovers_of_any_torn_save_are_cleared(tmp_path):
+    (tmp_path / ".round_000007.tmp").mkdir(parents=True)
+    save_sharded_checkpoint(tmp_path, 1, _shared(1), 2, 0, lambda: None, distributed=False)
+    assert not list(tmp_path.glob(".round_*"))

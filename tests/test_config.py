@@ -1,6 +1,7 @@
 import pytest
 
-from adloco.config import RUN_CONFIG_FILE, ConfigError, build_config, load_config, resume_config
+from adloco.checkpoint import CheckpointError
+from adloco.config import RUN_CONFIG_FILE, ConfigError, build_config, load_config, resume_changes, resume_config
 
 
 def test_defaults_resolve_per_method():
@@ -47,6 +48,7 @@ def test_overrides_parse_yaml_values_and_nested_keys():
         (["elastic=true", "method=adloco", "trainers=2"], "elastic: resizes one trainer"),
         (["elastic=true", "data.streaming=true"], "elastic: a streamed corpus"),
         (["elastic=true", "workers=2", "batch.step_seconds=[[0,0.1],[0,0.2]]"], "elastic: batch.step_seconds"),
+        (["elastic=true", "outer.overlap=eager"], "elastic: outer.overlap=eager"),
     ],
 )
 def test_bad_values_give_one_line_naming_the_key(overrides, fragment):
@@ -119,3 +121,12 @@ def test_the_worker_count_may_change_on_resume_only_in_an_elastic_run(elastic, t
     else:
         with pytest.raises(ConfigError, match="'workers' cannot change"):
             resume_config(tmp_path, ["workers=3"])
+
+
+def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default():
+    config = build_config(overrides=["method=adloco"])
+    older = config.model_dump()
+    del older["elastic"], older["checkpoint"]["format"]  # settings this checkpoint's adloco did not have yet
+    assert resume_changes(older, config) == []
+    with pytest.raises(CheckpointError, match="elastic False, now True"):
+        resume_changes(older, build_config(overrides=["method=adloco", "elastic=true"]))

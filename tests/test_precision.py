@@ -161,3 +161,9 @@ def test_a_resumed_optimizer_runs_the_kernel_of_the_device_it_resumes_on():
 
 def _stream():
     return TokenStream(torch.randint(0, 256, (1000,), generator=torch.Generator().manual_seed(0)), 16, 0)
+
+
+def test_a_loss_scale_out_of_range_in_a_checkpoint_is_refused():
+    for scale in (float("nan"), 0.5, 2.0**30):
+        with pytest.raises(ValueError, match="loss scale"):
+            LossScale.for_precision("fp16").load_state_dict({"scale": scale, "good_steps": 0})

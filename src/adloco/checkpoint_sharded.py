@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from adloco.checkpoint import FORMAT_VERSION, _record, _sha256, read_manifest, write_failure
-from adloco.errors import CheckpointError
+from adloco.errors import CheckpointError, StorageError
 
 _REF = "\x00tensor:"  # marks a tensor's place in a skeleton; no state string starts with a NUL
 _SKELETON = "skeleton/"
@@ -84,8 +85,12 @@ def save_sharded_checkpoint(
     final = directory / f"round_{round_index:06d}"
     tmp = directory / f".{final.name}.tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way; never mixed into this one
-        tmp.mkdir(parents=True)
+        for stale in directory.glob(".round_*.tmp"):  # saves that died half-way; never mixed into this one
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as error:
+            raise write_failure(error, "checkpoint", tmp) from None
     barrier()
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _split(part, f"{rank}", tensors)
@@ -95,16 +100,28 @@ def save_sharded_checkpoint(
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not distributed)
     except OSError as error:
         raise write_failure(error, "checkpoint", tmp) from None
+    except CheckpointException as error:  # DCP's wrapper of every rank's failure (a BaseException)
+        raise _save_failure(error, tmp) from None
     if rank == 0:
         _finish(directory, tmp, final, round_index, keep)
     return final
 
 
+def _save_failure(error: CheckpointException, tmp: Path) -> StorageError:
+    """One line for a failed DCP save: the first rank's own error, as a write failure where it is one."""
+    first = next(iter(error.failures.values()), None)
+    if isinstance(first, tuple):  # (exception, its traceback), as DCP records each rank's failure
+        first = first[0]
+    if isinstance(first, OSError):
+        return write_failure(first, "checkpoint", tmp)
+    return StorageError(f"writing checkpoint '{tmp}' failed ({type(first).__name__}: {str(first)[:120]})")
+
+
 def _finish(directory: Path, tmp: Path, final: Path, round_index: int, keep: int) -> None:
     """Checksums, the rename that makes the folder a checkpoint, and its manifest entry (rank 0)."""
-    files = {p.name: _sha256(p.read_bytes()) for p in sorted(tmp.iterdir())}
-    size = sum(p.stat().st_size for p in tmp.iterdir())
     try:
+        files = {p.name: _sha256(p.read_bytes()) for p in sorted(tmp.iterdir())}
+        size = sum(p.stat().st_size for p in tmp.iterdir())
         if final.exists():  # the same round saved again after a resume
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -135,7 +152,7 @@ def load_sharded_checkpoint(path: Path, wanted: Callable[[int], bool] | None = N
             torch.load(io.BytesIO(template[key].numpy().tobytes()), weights_only=True)
             for key in sorted(k for k in template if k.startswith(_SKELETON))
         ]
-    except Exception as error:  # DCP and torch raise many types for damaged files
+    except (Exception, CheckpointException) as error:  # DCP and torch raise many types for damaged files
         raise CheckpointError(f"checkpoint '{path}' is damaged or not a checkpoint ({type(error).__name__})") from None
     joined = [_join(_without_unwanted(p, wanted), template) for p in parts]
     merged = next((p for p in joined if isinstance(p, dict) and "format_version" in p), None)
@@ -169,8 +186,12 @@ def _check_files(path: Path) -> None:
     files = entry.get("files") if entry is not None else None
     if not isinstance(files, dict):
         return  # not (yet) in the manifest: the folder is whole, as only a finished save is renamed into place
+    # Every rank checks every file, so all ranks take the same checkpoint (or fall back to the same older one).
     for name, digest in files.items():
         with contextlib.suppress(FileNotFoundError):
-            if _sha256((path / name).read_bytes()) == digest:
-                continue
+            try:
+                if _sha256((path / name).read_bytes()) == digest:
+                    continue
+            except OSError as error:
+                raise CheckpointError(f"checkpoint '{path}' cannot be read: {error.strerror}") from None
         raise CheckpointError(f"checkpoint '{path}' is damaged (file {name} is missing or fails its checksum)")

@@ -492,6 +492,8 @@ class TrainConfig(BaseModel):
             raise ValueError("elastic: a streamed corpus is dealt out to a fixed worker count; use the in-memory one")
         if isinstance(self.batch.step_seconds, list):
             raise ValueError("elastic: batch.step_seconds pins one pair per worker; give one [a, c] for all")
+        if self.outer.overlap == "eager":
+            raise ValueError("elastic: outer.overlap=eager keeps a copy of θ per worker that a joining worker lacks")
 
     def _resolve_model(self) -> None:
         model = self.model
@@ -671,7 +673,9 @@ def resume_changes(saved: dict[str, Any] | None, config: TrainConfig) -> list[st
     """``key: old -> new`` for each setting that differs from the checkpoint's; CheckpointError for an unsafe one."""
     if saved is None:  # a checkpoint from before configs were stored in it
         return []
-    before, after = _flat(saved), _flat(config.model_dump())
+    # Settings added since the checkpoint was written are absent from it: it ran with their defaults.
+    before = {**_flat(TrainConfig().model_dump()), **_flat(saved)}
+    after = _flat(config.model_dump())
     changes = []
     for key in sorted(set(before) | set(after)):
         if before.get(key) != after.get(key):

@@ -90,4 +90,7 @@ class LossScale:
         return {"scale": self.scale, "good_steps": self.good_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        scale, good_steps = float(state["scale"]), int(state["good_steps"])
+        if not self.FLOOR <= scale <= self.CEILING or good_steps < 0:  # NaN fails too
+            raise ValueError(f"loss scale {scale!r} with {good_steps} good steps is out of range")
+        self.scale, self.good_steps = scale, good_steps

@@ -91,7 +91,11 @@ def test_only_the_newest_folders_are_kept(tmp_path):
 
 
 def test_a_folder_without_rank_0s_part_is_refused(tmp_path):
-    save_sharded_checkpoint(tmp_path, 1, {"cluster": {"workers": {1: _worker(1)}}}, 2, 0, lambda: None, False)
+    """Only another rank's part in the folder (as if rank 0's file were lost): no shared state to resume from."""
+    tmp = tmp_path / ".round_000001.tmp"
+    part = {"cluster": {"workers": {1: _worker(1)}}}
+    save_sharded_checkpoint(tmp_path, 1, part, 2, 1, lambda: tmp.mkdir(parents=True), distributed=False)
+    tmp.rename(tmp_path / "round_000001")  # what rank 0 would have done
     with pytest.raises(CheckpointError, match="no shared state"):
         latest_checkpoint(tmp_path)
 

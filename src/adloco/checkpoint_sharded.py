@@ -81,7 +81,8 @@ def save_sharded_checkpoint(
     distributed: bool,
 ) -> Path:
     """Write this rank's ``part`` of checkpoint ``round_<n>/`` (collective: every rank calls it); rank 0's part
-    holds the shared state. Rank 0 then renames the folder into place and records it in the manifest."""
+    holds the shared state, to which the format version and round are added as ``save_checkpoint`` adds them to a
+    file. Rank 0 then renames the folder into place and records it in the manifest."""
     final = directory / f"round_{round_index:06d}"
     tmp = directory / f".{final.name}.tmp"
     if rank == 0:
@@ -92,6 +93,8 @@ def save_sharded_checkpoint(
         except OSError as error:
             raise write_failure(error, "checkpoint", tmp) from None
     barrier()
+    if rank == 0:
+        part = {"format_version": FORMAT_VERSION, "round": round_index, **part}
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _split(part, f"{rank}", tensors)
     state = {**tensors, f"{_SKELETON}{rank}": _as_bytes(skeleton)}

@@ -18,7 +18,6 @@ from transformers.utils import logging as hf_logging
 
 from adloco.algorithms.schedules import inner_lr
 from adloco.checkpoint import (
-    FORMAT_VERSION,
     CheckpointError,
     apply_umask,
     atomic_write_bytes,
@@ -831,24 +830,16 @@ def _round_record(
 
 def _checkpoint(run: _Run, round_index: int) -> None:
     run.last_checkpoint, run.checkpointed_at = round_index, time.monotonic()
+    directory, keep = run.run_dir / "checkpoints", run.config.checkpoint.keep
+    run_state = {"counters": dict(run.counters), "config": run.config.model_dump()} if run.is_root else {}
     if run.config.checkpoint.format == "sharded":  # collective: every rank writes its own workers
-        part = {"cluster": run.cluster.local_state_dict()}
-        if run.is_root:
-            part.update(format_version=FORMAT_VERSION, round=round_index, counters=dict(run.counters))
-            part["config"] = run.config.model_dump()
+        part = {"cluster": run.cluster.local_state_dict(), **run_state}
         distributed = isinstance(run.comm, DistributedCommunicator)
-        directory = run.run_dir / "checkpoints"
-        keep = run.config.checkpoint.keep
         save_sharded_checkpoint(directory, round_index, part, keep, run.comm.rank, run.comm.barrier, distributed)
         return
     state = run.cluster.state_dict()  # collective: every rank hands its workers' state to rank 0
     if run.is_root:
-        save_checkpoint(
-            run.run_dir / "checkpoints",
-            round_index,
-            {"cluster": state, "counters": dict(run.counters), "config": run.config.model_dump()},
-            keep=run.config.checkpoint.keep,
-        )
+        save_checkpoint(directory, round_index, {"cluster": state, **run_state}, keep=keep)
 
 
 def _finish(run: _Run, tokenizer_info: dict) -> TrainResult:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from itertools import groupby
 
 import torch
 
@@ -281,10 +282,9 @@ class WorkerGroup:
 
 def _runs_of_equal(values: Sequence[float]) -> list[tuple[int, int, float]]:
     """(start, stop, value) of each maximal run of equal neighbours in ``values``."""
-    runs: list[tuple[int, int, float]] = []
-    for k, value in enumerate(values):
-        if runs and runs[-1][2] == value:
-            runs[-1] = (runs[-1][0], k + 1, value)
-        else:
-            runs.append((k, k + 1, value))
+    runs, start = [], 0
+    for value, run in groupby(values):
+        length = sum(1 for _ in run)
+        runs.append((start, start + length, value))
+        start += length
     return runs

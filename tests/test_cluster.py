@@ -6,7 +6,7 @@ import torch
 from adloco.checkpoint import CheckpointError
 from adloco.cluster import Cluster
 from adloco.comm import LocalCommunicator
-from adloco.config import build_config
+from adloco.config import ConfigError, build_config
 from adloco.training import _tokenizer_and_task
 from adloco.worker_group import WorkerGroup
 from tests.conftest import PINNED_PACE as PINNED
@@ -177,3 +177,8 @@ def test_a_checkpoint_of_another_worker_count_needs_elastic():
     saved = _elastic(4, elastic=False).state_dict()
     with pytest.raises(CheckpointError, match="elastic=true"):
         _elastic(3, elastic=False).load_state_dict(saved)
+
+
+def test_a_sharded_worker_needs_a_process_per_shard():
+    with pytest.raises(ConfigError, match="shards: a worker sharded over 2 ranks needs torchrun"):
+        _cluster(["shards=2"])

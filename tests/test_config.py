@@ -49,6 +49,9 @@ def test_overrides_parse_yaml_values_and_nested_keys():
         (["elastic=true", "data.streaming=true"], "elastic: a streamed corpus"),
         (["elastic=true", "workers=2", "batch.step_seconds=[[0,0.1],[0,0.2]]"], "elastic: batch.step_seconds"),
         (["elastic=true", "outer.overlap=eager"], "elastic: outer.overlap=eager"),
+        (["shards=0"], "shards"),
+        (["shards=2", "elastic=true"], "elastic: resizing a job of sharded workers"),
+        (["shards=2", "checkpoint.format=file"], "checkpoint.format: sharded workers"),
     ],
 )
 def test_bad_values_give_one_line_naming_the_key(overrides, fragment):
@@ -130,3 +133,8 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default():
     assert resume_changes(older, config) == []
     with pytest.raises(CheckpointError, match="elastic False, now True"):
         resume_changes(older, build_config(overrides=["method=adloco", "elastic=true"]))
+
+
+def test_sharded_workers_write_sharded_checkpoints_unless_told_otherwise():
+    assert build_config(overrides=["shards=2"]).checkpoint.format == "sharded"
+    assert build_config().checkpoint.format == "file"

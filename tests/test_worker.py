@@ -7,7 +7,7 @@ from adloco.algorithms.switch import plan_micro_batches, split_evenly
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
 from adloco.model import build_model, preset_config
-from adloco.worker import Worker
+from adloco.worker import Worker, backward_in_micro_batches
 
 
 class _Slot:
@@ -94,3 +94,21 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_step(monkeypatch):
     fresh.stream.load_state_dict(stream_before)
     fresh.stream.next_batch(16)
     assert torch.equal(fresh.stream.generator.get_state(), worker.stream.generator.get_state())  # data read once
+
+
+def test_an_empty_micro_batch_runs_a_weightless_stand_in():
+    """A sharded worker's rank with fewer samples than its peers still runs each micro-batch (FSDP's collectives
+    pair up): a micro-batch of size 0 adds nothing to the gradient or the loss."""
+    plain, padded = _worker(), _worker()
+    data = plain.stream.next_batch(3)
+
+    def losses(slot):
+        return lambda offset, size: slot.worker.step_loss(slot.model, *(t[offset : offset + size] for t in data))
+
+    expected = backward_in_micro_batches(losses(plain), 0, 3, 3, 64)
+    got = backward_in_micro_batches(losses(padded), 0, 3, 3, 64, sizes=[2, 1, 0])
+    assert float(got) == pytest.approx(float(expected), rel=1e-6)
+    assert torch.allclose(_grads(plain), _grads(padded), atol=1e-7, rtol=1e-5)
+    nothing = _worker()
+    assert float(backward_in_micro_batches(losses(nothing), 0, 0, 3, 64, sizes=[0])) == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in nothing.params)

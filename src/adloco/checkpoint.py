@@ -149,18 +149,23 @@ def _remove(path: Path) -> None:
 
 
 def load_checkpoint(
-    path: Path, sha256: str | None = None, training: bool = False, wanted: Callable[[int], bool] | None = None
+    path: Path,
+    sha256: str | None = None,
+    training: bool = False,
+    wanted: Callable[[int], bool] | None = None,
+    shard: int = 0,
 ) -> dict[str, Any]:
     """Load and check one checkpoint; with ``sha256`` the file must match the manifest's checksum.
 
     With ``training`` the top level must also have the shape a training run writes (trainers, workers,
     counters), so a foreign torch file is refused here rather than failing half-way through a resume. With
-    ``wanted`` the workers it refuses are left out (a sharded checkpoint does not even read them).
+    ``wanted`` the workers it refuses are left out (a sharded checkpoint does not even read them); ``shard``: the
+    shard of sharded workers whose state a rank reads.
     """
     if path.is_dir():
         from adloco.checkpoint_sharded import load_sharded_checkpoint  # it builds on this module
 
-        return _checked_shape(path, load_sharded_checkpoint(path, wanted), training)
+        return _checked_shape(path, load_sharded_checkpoint(path, wanted, shard), training)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -216,7 +221,7 @@ def _shape_problem(state: dict[str, Any]) -> str:
 
 
 def latest_checkpoint(
-    directory: Path, training: bool = False, wanted: Callable[[int], bool] | None = None
+    directory: Path, training: bool = False, wanted: Callable[[int], bool] | None = None, shard: int = 0
 ) -> dict[str, Any] | None:
     """The newest usable checkpoint (with only the workers ``wanted`` accepts); a damaged one is reported and the
     one before it is used."""
@@ -230,7 +235,7 @@ def latest_checkpoint(
     problems = []
     for path, sha256 in reversed(candidates):
         try:
-            state = load_checkpoint(path, sha256, training, wanted)
+            state = load_checkpoint(path, sha256, training, wanted, shard)
         except CheckpointError as error:
             problems.append(str(error))
             continue

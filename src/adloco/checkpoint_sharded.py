@@ -138,37 +138,66 @@ def _finish(directory: Path, tmp: Path, final: Path, round_index: int, keep: int
     _record(directory, {"file": final.name, "round": round_index, "bytes": size, "files": files}, keep)
 
 
-def load_sharded_checkpoint(path: Path, wanted: Callable[[int], bool] | None = None) -> dict[str, Any]:
-    """Every rank's part of ``round_<n>/``, checked against the manifest's checksums and put back together; with
-    ``wanted``, only the workers it accepts are read (the shared state always is)."""
+def load_sharded_checkpoint(path: Path, wanted: Callable[[int], bool] | None = None, shard: int = 0) -> dict[str, Any]:
+    """The parts of ``round_<n>/`` that a rank holding ``shard`` of its workers needs, checked against the manifest's
+    checksums and put back together: the run's counters and config, that shard's shared state and the workers
+    ``wanted`` accepts (all without it); no other tensor is read."""
     _check_files(path)
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
-        template = {
-            key: torch.empty(item.size, dtype=item.properties.dtype)
-            for key, item in metadata.state_dict_metadata.items()
-            if _worker_of(key) is None or wanted is None or wanted(_worker_of(key))
+        reader = dcp.FileSystemReader(str(path))
+        keys = reader.read_metadata().state_dict_metadata
+        skeletons = _read(path, {k: keys[k] for k in keys if k.startswith(_SKELETON)})
+        parts = {
+            int(key[len(_SKELETON) :]): torch.load(io.BytesIO(value.numpy().tobytes()), weights_only=True)
+            for key, value in skeletons.items()
         }
-        with _single_process_quiet():
-            dcp.load(template, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
-        parts = [
-            torch.load(io.BytesIO(template[key].numpy().tobytes()), weights_only=True)
-            for key in sorted(k for k in template if k.startswith(_SKELETON))
-        ]
+        ranks = {rank for rank, part in parts.items() if _shard_of(part) == shard}
+        tensors = _read(
+            path,
+            {
+                key: item
+                for key, item in keys.items()
+                if not key.startswith(_SKELETON)
+                and int(key.split("/")[0]) in ranks
+                and (_worker_of(key) is None or wanted is None or wanted(_worker_of(key)))
+            },
+        )
     except (Exception, CheckpointException) as error:  # DCP and torch raise many types for damaged files
         raise CheckpointError(f"checkpoint '{path}' is damaged or not a checkpoint ({type(error).__name__})") from None
-    joined = [_join(_without_unwanted(p, wanted), template) for p in parts]
-    merged = next((p for p in joined if isinstance(p, dict) and "format_version" in p), None)
-    if merged is None:
+    return _merged(path, parts, {rank: _join(_without_unwanted(parts[rank], wanted), tensors) for rank in ranks}, shard)
+
+
+def _read(path: Path, items: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of ``items`` (DCP metadata by key) from the checkpoint folder ``path``."""
+    template = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in items.items()}
+    with _single_process_quiet():
+        dcp.load(template, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return template
+
+
+def _shard_of(part: Any) -> int:
+    """The shard of its workers that the rank which wrote ``part`` held (0 for unsharded workers)."""
+    return int(part.get("cluster", {}).get("shard", 0)) if isinstance(part, dict) else 0
+
+
+def _merged(path: Path, parts: dict[int, Any], joined: dict[int, Any], shard: int) -> dict[str, Any]:
+    """One state from the run's head (format version, round, counters, config), the shard's shared state and its
+    workers."""
+    head = next((p for p in parts.values() if isinstance(p, dict) and "format_version" in p), None)
+    if head is None:
         raise CheckpointError(f"checkpoint '{path}' has no shared state (rank 0's part)")
-    for part in joined:
-        if part is not merged:
-            merged["cluster"]["workers"].update(part["cluster"]["workers"])
-    if merged["format_version"] != FORMAT_VERSION:
+    if head["format_version"] != FORMAT_VERSION:
         raise CheckpointError(
-            f"checkpoint '{path}' has format version {merged['format_version']!r}, this adloco reads {FORMAT_VERSION}"
+            f"checkpoint '{path}' has format version {head['format_version']!r}, this adloco reads {FORMAT_VERSION}"
         )
-    return merged
+    lead = next((p for p in joined.values() if "trainers" in p.get("cluster", {})), None)
+    if lead is None:
+        raise CheckpointError(f"checkpoint '{path}' holds no shard {shard} of the workers' models")
+    cluster = {k: v for k, v in lead["cluster"].items() if k != "shard"}
+    for part in joined.values():
+        if part is not lead:
+            cluster["workers"].update(part["cluster"]["workers"])
+    return {**{k: v for k, v in head.items() if k != "cluster"}, "cluster": cluster}
 
 
 def _worker_of(key: str) -> int | None:

@@ -16,6 +16,7 @@ from adloco.algorithms.controller import StepCost, TimeAwareController
 from adloco.algorithms.fragments import assign_fragments
 from adloco.algorithms.merge import merge_weights, merged_batch_size, select_merge_group, weighted_average
 from adloco.algorithms.schedules import LR_EXPONENTS, BatchCoupling
+from adloco.algorithms.sharding import local_shard
 from adloco.algorithms.shares import balanced_split, sample_weights
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.checkpoint import CheckpointError
@@ -23,6 +24,7 @@ from adloco.comm.base import Communicator
 from adloco.config import BatchConfig, ConfigError, TrainConfig
 from adloco.pace import CostModel, Pace, time_steps, timed_batches
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
+from adloco.sharded_worker import ShardedWorker
 from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build_strategy
 from adloco.sync.rounds import SKIPPED_STEP, BoundaryRequest
 from adloco.tasks import Task
@@ -140,17 +142,19 @@ class Cluster:
     ) -> None:
         assert config.trainers is not None and config.sync_every is not None
         self.config = config
-        self.comm = comm
+        self.comm = shard_view(comm, config.shards)  # sharded workers: the ranks that hold the same shard
         self.task = task
         self.context = task.context
         self.device = device or torch.device("cpu")
         self.collect_statistics = config.method == "adloco" or config.batch.test != "constant"
         self.trainers: dict[int, Trainer] = {}
         self.workers: dict[int, Worker] = {}
+        comm = self.comm
         self.worker_rank = rank_placement(config.total_workers, comm.world_size, config.slots_per_rank)
         comm.set_placement(self.worker_rank)
         template, b_max = self._build(placement(config.trainers, config.workers))
         self.param_names = [name for name, _ in template.named_parameters()]
+        self.param_shapes = [tuple(p.shape) for p in template.parameters()]
         self.groups = self._worker_groups()
         self.sync: SyncStrategy = build_strategy(config, comm, self.trainers, self.workers)
         # b_max is per worker device, and this table is its one owner: every rank learns every worker's, so all
@@ -183,12 +187,14 @@ class Cluster:
         if batch.step_seconds is not None:
             return CostModel(dict.fromkeys(self.worker_rank, StepCost(*batch.step_seconds)), False, batch.round_seconds)
         worker_id = min(self.workers)
-        step_at = training_step_at(
-            self.workers[worker_id].model, self.context, self.task.vocab_size, self.task, self.config.precision
-        )
+        # A sharded worker's model cannot be copied: time an unsharded one (its step at the whole batch)
+        model = self.workers[worker_id].model if self.comm.shards == 1 else template.to(self.device)
+        step_at = training_step_at(model, self.context, self.task.vocab_size, self.task, self.config.precision)
         top = min(batch.b_cap, self.b_max[worker_id])
         cost = time_steps(step_at, timed_batches(min(batch.size, top), top))
-        shared = self.comm.gather_worker_scalars({w: [cost.overhead, cost.per_sample] for w in self.workers})
+        timed = self.comm.sum_over_shards(torch.tensor([cost.overhead, cost.per_sample], dtype=torch.float64))
+        timed = timed / self.comm.shards
+        shared = self.comm.gather_worker_scalars({w: timed.tolist() for w in self.workers})
         return CostModel({w: StepCost(*v) for w, v in shared.items()}, True, batch.round_seconds)
 
     def _build(self, layout: dict[int, list[int]]) -> tuple[torch.nn.Module, int]:
@@ -226,7 +232,7 @@ class Cluster:
         )
         return Trainer(
             trainer_id,
-            [p.detach() for p in template.parameters()],
+            [local_shard(p.detach(), self.comm.shard, self.comm.shards) for p in template.parameters()],
             worker_ids,
             batch_size=batch.size,
             outer_lr=config.outer.lr,
@@ -252,15 +258,22 @@ class Cluster:
             config.seed * _STREAM_SEED_STRIDE + worker_id, worker=worker_id, workers=config.total_workers
         )
         model = copy.deepcopy(template).to(self.device)
-        return Worker(
+        options = dict(loss_fn=self.task.loss, precision=config.precision, compile_step=config.compile)
+        if self.comm.shards == 1:
+            return Worker(worker_id, model, config.inner, stream, **options)
+        return ShardedWorker(
             worker_id,
             model,
             config.inner,
             stream,
-            loss_fn=self.task.loss,
-            precision=config.precision,
-            compile_step=config.compile,
+            mesh=self.comm.shard_mesh,  # type: ignore[attr-defined]
+            sum_over_shards=self.comm.sum_over_shards,
+            **options,
         )
+
+    def full_theta(self, trainer: Trainer) -> list[torch.Tensor]:
+        """The trainer's whole θ where rank 0 evaluates it (collective over the shards of sharded workers)."""
+        return self.comm.gather_shards(trainer.theta, self.param_shapes)
 
     def owner(self, worker_id: int) -> Trainer:
         return next(t for t in self.trainers.values() if worker_id in t.worker_ids)
@@ -327,6 +340,7 @@ class Cluster:
         ``ask`` says what this rank wants of the boundary; it is read before each report leaves the rank.
         ``tokens_left`` (the budget after this round) bounds how far a time-aware controller grows b."""
         started = time.perf_counter()
+        ask = self._asked_by_every_shard(ask)
         state = RoundState(round_index, steps, first_step, self.statistics_due(round_index))
         state.local = {w: WorkerRound(b_max=self.b_max[w]) for w in self.workers}
         # The plan (samples per step) is fixed for the round: every rank counts the same budget without asking.
@@ -347,6 +361,7 @@ class Cluster:
             if on_step is not None:
                 on_step(StepProgress(step=step, lr=lr, loss=_local_loss(state, step), tokens=planned_tokens))
         state.stamp(ask())
+        self._time_alike_on_every_shard(state)
         state.stamp_seconds(self.overhead_seconds)
         self.sync.end_of_round(state)
         for worker_id in state.out:
@@ -358,6 +373,31 @@ class Cluster:
         self.b_max.update({w: r.b_max for w, r in state.reports.items()})
         self.overhead_seconds = max(0.0, time.perf_counter() - started - sum(state.compute_seconds.values()))
         return self._report(state)
+
+    # A sharded worker's ranks are in different shard groups, each with its own round exchange: whatever a rank
+    # measures by itself (signals, clocks) is made the same on all shards first, or the groups would decide apart.
+    def _asked_by_every_shard(self, ask: Callable[[], BoundaryRequest]) -> Callable[[], BoundaryRequest]:
+        if self.comm.shards == 1:
+            return ask
+
+        def agreed() -> BoundaryRequest:
+            request = ask()
+            largest = self.comm.max_over_shards(torch.tensor([request.stop_signal, float(request.checkpoint)]))
+            return BoundaryRequest(stop_signal=int(largest[0]), checkpoint=bool(largest[1]))
+
+        return agreed
+
+    def _time_alike_on_every_shard(self, state: RoundState) -> None:
+        """Each hosted worker's compute seconds and this rank's overhead: their means over the shards."""
+        if self.comm.shards == 1:
+            return
+        hosted = sorted(self.workers)
+        seconds = torch.tensor(
+            [state.compute_seconds[w] for w in hosted] + [self.overhead_seconds], dtype=torch.float64
+        )
+        mean = self.comm.sum_over_shards(seconds) / self.comm.shards
+        state.compute_seconds.update(zip(hosted, mean[:-1].tolist(), strict=True))
+        self.overhead_seconds = float(mean[-1])
 
     def _step_workers(self, state: RoundState, stepping: set[int], lrs: dict[int, float]) -> None:
         """The inner optimizer step of the workers the strategy lets step; a group steps as one where it can."""
@@ -571,7 +611,7 @@ class Cluster:
     def local_state_dict(self) -> dict:
         """What this rank writes of a sharded checkpoint: its workers, and on rank 0 the shared state too."""
         workers = {w: self._worker_state(w) for w in self.workers}
-        return {**(self.shared_state() if self.comm.rank == 0 else {}), "workers": workers}
+        return {**(self.shared_state() if self.comm.rank == 0 else {}), "workers": workers, "shard": self.comm.shard}
 
     def shared_state(self) -> dict:
         """Trainers, exchanges in flight and costs: the same on every rank after a round, saved once."""
@@ -641,6 +681,24 @@ class Cluster:
             joined or "none",
         )
         self.resized = (len(saved_ids), len(current))
+
+
+def shard_view(comm: Communicator, shards: int) -> Communicator:
+    """``comm`` among the ranks that hold the same shard of every worker; ``comm`` itself for unsharded workers."""
+    if shards == 1:
+        return comm
+    if not hasattr(comm, "shard_view"):
+        raise ConfigError(f"shards: a worker sharded over {shards} ranks needs torchrun, one process per rank")
+    try:
+        return comm.shard_view(shards)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def hosted_workers(config: TrainConfig, rank: int, world_size: int) -> set[int]:
+    """The workers that global ``rank`` of ``world_size`` hosts (a shard of each when workers are sharded)."""
+    placed = rank_placement(config.total_workers, world_size // config.shards, config.slots_per_rank)
+    return {w for w, r in placed.items() if r == rank // config.shards}
 
 
 def parameter_fragments(config: TrainConfig, names: list[str]) -> list[list[int]] | None:

@@ -395,6 +395,13 @@ class TrainConfig(BaseModel):
     slots_per_rank: int | None = Field(
         None, ge=1, description="Worker slots per rank under torchrun; default: all workers spread evenly."
     )
+    shards: int = Field(
+        1,
+        ge=1,
+        description="Ranks per worker under torchrun: each worker's model, gradients and AdamW state are sharded "
+        "over this many ranks with FSDP2, and the round exchange runs shard by shard among the workers (HSDP). "
+        "World size = workers ÷ slots_per_rank × shards; checkpoints are then sharded (docs/distributed.md).",
+    )
     elastic: bool = Field(
         False,
         description="Let the worker count change when the run resumes (one trainer, in-memory corpus). Under "
@@ -462,6 +469,7 @@ class TrainConfig(BaseModel):
             )
         self._check_shares()
         self._check_elastic()
+        self._check_shards()
         if self.method == "ddp" and self.codec.name != "none":
             raise ValueError("codec.name: ddp exchanges gradients every step; codecs apply to pseudo-gradients")
         if self.batch.b_min > self.batch.b_cap:
@@ -494,6 +502,15 @@ class TrainConfig(BaseModel):
             raise ValueError("elastic: batch.step_seconds pins one pair per worker; give one [a, c] for all")
         if self.outer.overlap == "eager":
             raise ValueError("elastic: outer.overlap=eager keeps a copy of θ per worker that a joining worker lacks")
+
+    def _check_shards(self) -> None:
+        if self.shards == 1:
+            return
+        if self.elastic:
+            raise ValueError("elastic: resizing a job of sharded workers (shards > 1) is not supported")
+        if "format" in self.checkpoint.model_fields_set and self.checkpoint.format == "file":
+            raise ValueError("checkpoint.format: sharded workers (shards > 1) write sharded checkpoints")
+        self.checkpoint.format = "sharded"
 
     def _resolve_model(self) -> None:
         model = self.model

@@ -27,7 +27,7 @@ from adloco.checkpoint import (
     write_failure,
 )
 from adloco.checkpoint_sharded import save_sharded_checkpoint
-from adloco.cluster import Cluster, MergeEvent, RoundReport, StepProgress, rank_placement
+from adloco.cluster import Cluster, MergeEvent, RoundReport, StepProgress, hosted_workers
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.comm.distributed import (
     DistributedCommunicator,
@@ -328,8 +328,7 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
         again = Path(restart[1])
     tokenizer, run_task = _tokenizer_and_task(config, resume)
     if device.type == "cpu":  # a GPU's own limit is b_max's business (resolve_b_max probes it)
-        hosted = rank_placement(config.total_workers, comm.world_size, config.slots_per_rank)
-        workers_here = sum(1 for rank in hosted.values() if rank == comm.rank)
+        workers_here = len(hosted_workers(config, comm.rank, comm.world_size))  # a shard of each when sharded
         check_rank_memory(config, run_task.build_model(config.seed), run_task.context, workers_here)
     lock, run_dir = _claim_run_dir(config, resume, again, comm)
     if comm.rank == 0 and resume is None:
@@ -402,12 +401,13 @@ def _resume_from(
 ) -> dict:
     """The newest intact checkpoint, after checking that only resume-safe settings changed since it was written.
     Each rank keeps the workers it hosts (and those an elastic resize retires, whose streams every rank keeps)."""
-    hosted = rank_placement(config.total_workers, comm.world_size, config.slots_per_rank)
+    hosted = hosted_workers(config, comm.rank, comm.world_size)
 
     def wanted(worker_id: int) -> bool:
-        return hosted.get(worker_id, comm.rank) == comm.rank
+        return worker_id in hosted or worker_id >= config.total_workers
 
-    checkpoint = latest_checkpoint(run_dir / "checkpoints", training=True, wanted=wanted)
+    shard = comm.rank % config.shards
+    checkpoint = latest_checkpoint(run_dir / "checkpoints", training=True, wanted=wanted, shard=shard)
     changes = resume_changes(checkpoint.get("config"), config)
     if lock is not None and changes:
         write_run_config(run_dir, config)  # the next resume starts from these settings
@@ -562,7 +562,7 @@ def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> _Run:
             config.trainers,
             config.workers,
             config.sync_every,
-            sum(t.numel() for t in next(iter(cluster.trainers.values())).theta),
+            sum(math.prod(shape) for shape in cluster.param_shapes),
             cluster.context,
             config.total_tokens,
             comm.world_size,
@@ -781,11 +781,9 @@ def _evaluate(run: _Run, round_index: int, finished: bool) -> tuple[bool, float]
     """Periodic validation of every trainer's θ on rank 0; its time is reported apart from training's."""
     evaluated = (round_index + 1) % run.config.eval.every == 0 or finished
     started = time.perf_counter()
+    thetas = {k: run.cluster.full_theta(t) for k, t in run.cluster.trainers.items()} if evaluated else {}
     if evaluated and run.is_root:
-        periodic = {
-            k: run.task.evaluate(run.eval_model, t.theta, run.config.eval.blocks)
-            for k, t in run.cluster.trainers.items()
-        }
+        periodic = {k: run.task.evaluate(run.eval_model, theta, run.config.eval.blocks) for k, theta in thetas.items()}
         run.last_val.clear()
         run.last_val.update({k: e.loss for k, e in periodic.items()})
         run.last_accuracy = {k: e.accuracy for k, e in periodic.items() if e.accuracy is not None}
@@ -845,11 +843,12 @@ def _checkpoint(run: _Run, round_index: int) -> None:
 def _finish(run: _Run, tokenizer_info: dict) -> TrainResult:
     """Final evaluation of every trainer, the summary, the export of the best θ and the plots (rank 0)."""
     config, comm, cluster, counters = run.config, run.comm, run.cluster, run.counters
+    thetas = {k: cluster.full_theta(t) for k, t in cluster.trainers.items()}
     if not run.is_root:
         summary = comm.broadcast_object(None, src=0)
         return TrainResult(run_dir=run.run_dir, **summary)
     limit = None if config.eval.final_full else config.eval.blocks
-    final_eval = {k: run.task.evaluate(run.eval_model, t.theta, limit) for k, t in cluster.trainers.items()}
+    final_eval = {k: run.task.evaluate(run.eval_model, theta, limit) for k, theta in thetas.items()}
     final_val = {k: e.loss for k, e in final_eval.items()}
     best = min(final_val, key=final_val.get)
     seconds = time.perf_counter() - run.started
@@ -883,7 +882,7 @@ def _finish(run: _Run, tokenizer_info: dict) -> TrainResult:
     )
     run.metrics.close()
     if config.run.save_final:
-        _export_final(run.eval_model, cluster.trainers[best].theta, run.run_dir, tokenizer_info)
+        _export_final(run.eval_model, thetas[best], run.run_dir, tokenizer_info)
     if config.run.plots:
         _plot(run.run_dir)
     comm.broadcast_object({k: v for k, v in result.__dict__.items() if k != "run_dir"}, src=0)

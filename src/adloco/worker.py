@@ -56,10 +56,10 @@ class Worker:
         self.step_loss = compiled(loss_fn, compile_step)  # what a training step calls: loss_fn, maybe compiled
         self.compile_step = compile_step
         self.clip = inner.clip
-        self.params = [p for p in model.parameters()]
+        self.model_params = list(model.parameters())  # what AdamW and clipping update
         self.device = self.params[0].device
-        decay = [p for p in self.params if p.dim() >= 2]
-        no_decay = [p for p in self.params if p.dim() < 2]
+        decay = [p for p in self.model_params if p.dim() >= 2]
+        no_decay = [p for p in self.model_params if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": inner.weight_decay},
@@ -72,6 +72,18 @@ class Worker:
         )
         self.beta2 = inner.beta2  # the configured one; a trainer's batch coupling derives the one in use
         self.last_gradient: torch.Tensor | None = None
+
+    shards = 1  # ranks that hold a part of this worker's model
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters in θ's shape, as the sync strategies read and overwrite them (a sharded worker: views
+        of this rank's rows)."""
+        return self.model_params
+
+    def sum_over_shards(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the shards of this worker (a sharded worker's ranks)."""
+        return values
 
     def set_beta2(self, beta2: float) -> None:
         for group in self.optimizer.param_groups:
@@ -123,10 +135,7 @@ class Worker:
         while True:
             try:
                 result = accumulate(b_max)
-                grads = [p.grad.reshape(1, -1) for p in self.params if p.grad is not None]
-                # one host sync for the whole model rather than one per tensor
-                finite_grads = bool(finite_rows(grads)) if grads else True
-                result.finite = math.isfinite(result.loss) and finite_grads
+                result.finite = math.isfinite(result.loss) and self._gradients_finite()
                 result.b_max = b_max
                 return result
             except (RuntimeError, torch.OutOfMemoryError) as error:
@@ -137,6 +146,12 @@ class Worker:
                 self.optimizer.zero_grad(set_to_none=True)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
+
+    def _gradients_finite(self) -> bool:
+        grads = [g.reshape(1, -1) for g in self.gradients() if g is not None]
+        # one host sync for the whole model rather than one per tensor
+        finite = finite_rows(grads).double() if grads else torch.ones(1, dtype=torch.float64)
+        return bool(self.sum_over_shards(1 - finite) == 0)  # a sharded worker's shards must agree
 
     def _accumulate(
         self,
@@ -168,7 +183,7 @@ class Worker:
         self._set_flat_gradient(grouped.total)
         if keep_gradient:
             self.last_gradient = grouped.total.clone()
-        return StepResult(loss=loss, samples=batch, tokens=tokens, statistics=grouped.statistics())
+        return StepResult(loss=loss, samples=batch, tokens=tokens, statistics=grouped.statistics(self.sum_over_shards))
 
     def _backward_samples(
         self, data: tuple[torch.Tensor, ...], start: int, stop: int, weight_total: int, b_max: int
@@ -183,24 +198,36 @@ class Worker:
             with autocast_for(self.precision, self.device):
                 return self.step_loss(self.model, *(t[offset : offset + size] for t in data))
 
-        if not self.loss_scale.enabled:
-            return float(backward_in_micro_batches(loss_of, start, stop, weight_total, b_max))
-        scale = self.loss_scale.scale
-        loss = float(backward_in_micro_batches(loss_of, start, stop, weight_total, b_max, scale))
-        with torch.no_grad():
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(1 / scale)
+        scale = self.loss_scale.scale if self.loss_scale.enabled else None
+        loss = self._backward_share(loss_of, start, stop, weight_total, b_max, scale)
+        if scale is not None:
+            with torch.no_grad():
+                for grad in self.gradients():
+                    if grad is not None:
+                        grad.mul_(1 / scale)
         return loss
 
+    def _backward_share(
+        self,
+        loss_of: Callable[[int, int], torch.Tensor],
+        start: int,
+        stop: int,
+        weight_total: int,
+        b_max: int,
+        scale: float | None,
+    ) -> float:
+        """Backward over this worker's samples [start, stop); the mean loss."""
+        return float(backward_in_micro_batches(loss_of, start, stop, weight_total, b_max, scale))
+
     def _flat_gradient(self) -> torch.Tensor:
-        return flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
+        grads = self.gradients()
+        return flatten([g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.params, strict=True)])
 
     def _set_flat_gradient(self, flat: torch.Tensor) -> None:
-        for p, g in zip(self.params, unflatten(flat, self.params), strict=True):
-            p.grad = g.clone()
+        self.set_gradients(unflatten(flat, self.params))
 
-    def gradients(self) -> list[torch.Tensor]:
+    def gradients(self) -> list[torch.Tensor | None]:
+        """The gradients in θ's shape (a sharded worker: this rank's rows; writing to them writes the gradient)."""
         return [p.grad for p in self.params]
 
     @torch.no_grad()
@@ -212,7 +239,7 @@ class Worker:
         """Clip and apply one AdamW step; returns the gradient norm before clipping when clipping is on."""
         norm = None
         if self.clip is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=False))
+            norm = float(full_value(torch.nn.utils.clip_grad_norm_(self.model_params, self.clip, foreach=False)))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
@@ -228,13 +255,19 @@ class Worker:
         return {
             "params": [p.detach().cpu().clone() for p in self.params] if with_params else None,
             # a copy: a worker group's moments are views into its stacked tensors, which a save must not alias
-            "optimizer": _copied(self.optimizer.state_dict()),
+            "optimizer": _copied(self._optimizer_state()),
             "stream": self.stream.state_dict(),
             "loss_scale": self.loss_scale.state_dict(),
         }
 
+    def _optimizer_state(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def _load_optimizer_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_optimizer_state(state["optimizer"])
         kernel = adamw_kernel(self.device)  # the saved groups name the kernel of the device they were saved on
         for group in self.optimizer.param_groups:
             group["fused"], group["foreach"] = kernel.get("fused"), kernel.get("foreach")
@@ -243,6 +276,11 @@ class Worker:
             self.loss_scale.load_state_dict(state["loss_scale"])
         if state.get("params") is not None:
             self.load_params(state["params"])
+
+
+def full_value(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of ``value``'s whole value (a DTensor's ``full_tensor()``, collective over its mesh)."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 def _copied(state: dict) -> dict:
@@ -262,21 +300,27 @@ def backward_in_micro_batches(
     weight_total: int,
     b_max: int,
     loss_scale: float | torch.Tensor | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Backward over samples [start, stop) in near-equal micro-batches of at most ``b_max``; the mean loss
     (float64, one per worker where ``loss_of(offset, size)`` gives a worker group's losses).
 
     Each micro-batch's mean loss is weighted by its share of ``weight_total`` samples, so the accumulated gradient
     is the mean over all of them whatever the split; with ``loss_scale`` (one per worker for a group) that gradient
-    is the scaled one, which the caller divides back.
+    is the scaled one, which the caller divides back. ``sizes``: the micro-batches, given; one of size 0 runs a
+    forward and backward of weight zero on sample ``start`` (a sharded worker's rank with fewer samples than its
+    peers still takes part in every micro-batch's collectives). Where there are no samples the loss is 0.
     """
     count = stop - start
     loss_sum = torch.zeros((), dtype=torch.float64)
     offset = start
-    for size in split_evenly(count, -(-count // b_max)):
+    for size in split_evenly(count, -(-count // b_max)) if sizes is None else sizes:
+        if size == 0:
+            (loss_of(start, 1).sum() * 0.0).backward()
+            continue
         loss = loss_of(offset, size)
         scaled = loss if loss_scale is None else loss * loss_scale
         (scaled.sum() * (size / weight_total)).backward()
         loss_sum = loss_sum + loss.detach().double().cpu() * size
         offset += size
-    return loss_sum / count
+    return loss_sum / max(count, 1)

@@ -34,6 +34,8 @@ def stacking_blocker(workers: Sequence[Worker]) -> str | None:
     """Why these workers cannot run as one group (None when they can)."""
     if len(workers) < 2:
         return "a rank with one worker has nothing to stack"
+    if any(worker.shards > 1 for worker in workers):
+        return "sharded workers step one at a time"
     reason = unsupported_reason(workers[0].model, workers[0].loss_fn)
     if reason is not None:
         return reason

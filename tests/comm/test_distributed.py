@@ -96,6 +96,44 @@ def test_adloco_merges_hand_ranks_over_and_match_in_process(tmp_path):
     assert same_params(final_params(local.run_dir), final_params(partial))
 
 
+# -- sharded workers (HSDP) ------------------------------------------------------------------------------------------
+
+SHARDED = [*BASE, "method=adloco", "workers=2", "sync_every=4", "total_tokens=2048", "batch.size=3",
+           "batch.controller=test", "batch.eta=0.3", "batch.b_cap=8", *PINNED_PACE, "checkpoint.every=1",
+           "checkpoint.keep=10"]  # fmt: skip
+
+
+def test_two_workers_of_two_shards_match_unsharded_workers_with_half_the_bytes_per_rank(tmp_path):
+    """4 ranks, each worker's model sharded over 2 of them with FSDP2: the run of 2 unsharded workers, up to the
+    order of float additions (the shards' partial gradients are summed); each rank exchanges only its rows. The
+    sharded checkpoints resume bit-identically, and not with another shard count."""
+    local = train(build_config(overrides=[*SHARDED, f"run.root={tmp_path}", "run.name=local"]))
+    _torchrun(4, [*SHARDED, "shards=2", f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
+    dist_dir = tmp_path / "dist"
+    expected, got = final_params(local.run_dir), final_params(dist_dir)
+    assert all(torch.allclose(expected[k], got[k], atol=1e-5, rtol=0) for k in expected)
+    assert not same_params(expected, got)  # the sums do run in another order: the comparison has teeth
+    rounds = [r for r in read_metrics(dist_dir / "metrics.jsonl") if r["kind"] == "round"]
+    local_rounds = [r for r in read_metrics(local.run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    assert [r["batch"] for r in rounds] == [r["batch"] for r in local_rounds]
+    assert rounds[-1]["batch"]["0"] > 3  # the batch test grew b (from the shards' summed statistics)
+    half_of_theta = 4 * sum(t.numel() for t in got.values()) / 2
+    for rank in rounds[-1]["ranks"]:  # its rows of its worker's pseudo-gradient, and the worker's report
+        assert half_of_theta < rank["wire_bytes"] < 1.01 * half_of_theta
+
+    partial = cut_back(dist_dir, tmp_path / "partial", keep=2)
+    _torchrun(4, ["--resume", str(partial)], cwd=tmp_path)
+    assert same_params(got, final_params(partial))
+    other = subprocess.run(
+        [sys.executable, "-m", "adloco", "train", "--resume", str(dist_dir), "shards=1"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
+    assert other.returncode == 2 and "'shards' cannot change" in other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1
+
+
 def _wait_for_round(metrics, procs: list[subprocess.Popen], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and all(p.poll() is None for p in procs):

@@ -16,7 +16,7 @@ Only scalars ever leave a worker: a trainer averages its workers' :class:`Gradie
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -495,8 +495,12 @@ class GroupedGradient:
         if self.gram:
             self.group_means.append(group_mean)
 
-    def statistics(self) -> GradientStatistics:
+    def statistics(self, sum_over_shards: Callable[[torch.Tensor], torch.Tensor] | None = None) -> GradientStatistics:
+        """The step's statistics; ``sum_over_shards`` adds up the sums of a sharded gradient's shards (each rank
+        holds some rows of every group's gradient, and norms and inner products are sums over rows)."""
+        add_up = sum_over_shards or (lambda sums: sums)
         if self.gram:
             stacked = torch.stack(self.group_means).double()
-            return statistics_from_gram(stacked @ stacked.T, self.sizes)
-        return statistics_from_norms(self.weighted_sq, float(self.total.double().square().sum()), self.sizes)
+            return statistics_from_gram(add_up(stacked @ stacked.T), self.sizes)
+        sums = add_up(torch.tensor([self.weighted_sq, float(self.total.double().square().sum())], dtype=torch.float64))
+        return statistics_from_norms(float(sums[0]), float(sums[1]), self.sizes)

@@ -132,6 +132,8 @@ class Communicator(Protocol):
 
     rank: int
     world_size: int
+    shards: int  # ranks per worker; ``rank`` and ``world_size`` count the ranks that hold one shard
+    shard: int  # the shard this rank holds of each of its workers
     stats: CommStats
 
     def gather_over_workers(
@@ -192,6 +194,18 @@ class Communicator(Protocol):
 
         Bookkeeping, not training traffic: it is neither counted among the exchanges nor timed.
         """
+        ...
+
+    def sum_over_shards(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the shards of this rank's workers (itself when workers are not sharded)."""
+        ...
+
+    def max_over_shards(self, values: torch.Tensor) -> torch.Tensor:
+        """The largest of ``values`` over the shards of this rank's workers, element by element."""
+        ...
+
+    def gather_shards(self, tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Whole tensors of ``shapes`` from their shards, where rank 0 needs them (``tensors`` elsewhere)."""
         ...
 
     def barrier(self) -> None: ...

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import re
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from math import prod
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ from torch.futures import Future
 
 from adloco.algorithms.flat import flatten, unflatten
 from adloco.algorithms.outer import sum_in_order
+from adloco.algorithms.sharding import join_shards, shard_shape
 from adloco.comm.base import CommStats, ExchangeMixin, Gathered, contributed_bytes
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -97,13 +100,42 @@ class DistributedCommunicator(ExchangeMixin):
         self.stats = CommStats()
         self.placement: dict[int, int] = {}
         self._groups: dict[frozenset[int], Any] = {}
+        # Sharded workers (see shard_view): this rank holds shard ``shard`` of ``shards``; ``rank`` and
+        # ``world_size`` then count the ranks that hold that shard, one per worker slot block.
+        self.shards, self.shard = 1, 0
+        self._world: Any = dist.group.WORLD
+        self.shard_group: Any = None
+        self.shard_mesh: Any = None
+
+    def shard_view(self, shards: int) -> DistributedCommunicator:
+        """This communicator among the ranks that hold the same shard of every worker: HSDP's replicate
+        dimension of a (ranks / shards) × shards mesh, where rank g holds shard g mod shards of the worker slots
+        on row g // shards. Statistics are shared with this communicator. Every rank calls it, in the same order."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.world_size % shards:
+            raise ValueError(f"shards: a world of {self.world_size} ranks is not a multiple of shards={shards}")
+        mesh = init_device_mesh(
+            self.device.type, (self.world_size // shards, shards), mesh_dim_names=("replicate", "shard")
+        )
+        view = copy.copy(self)
+        view.shards, view.shard = shards, self.rank % shards
+        view.rank, view.world_size = self.rank // shards, self.world_size // shards
+        view.placement, view._groups = {}, {}
+        view._world = mesh.get_group("replicate")
+        view.shard_group, view.shard_mesh = mesh.get_group("shard"), mesh["shard"]
+        return view
+
+    def _global(self, rank: int) -> int:
+        """The global rank of ``rank`` of this communicator."""
+        return rank * self.shards + self.shard
 
     # -- placement and groups -------------------------------------------------------------------------
     def set_placement(self, worker_rank: Mapping[int, int]) -> None:
         self.placement = dict(worker_rank)
         if set(self.placement.values()) != set(range(self.world_size)):
             raise ValueError("every rank must host at least one worker slot")
-        self._groups[frozenset(self.placement)] = dist.group.WORLD
+        self._groups[frozenset(self.placement)] = self._world
 
     def ranks_of(self, workers: Sequence[int]) -> list[int]:
         return sorted({self.placement[w] for w in workers})
@@ -115,10 +147,12 @@ class DistributedCommunicator(ExchangeMixin):
         if key in self._groups:
             return
         if len(ranks) == self.world_size:
-            self._groups[key] = dist.group.WORLD
-        else:
-            group = dist.new_group(ranks)  # collective over the world, members or not
-            self._groups[key] = group
+            self._groups[key] = self._world
+            return
+        for shard in range(self.shards):  # new_group is collective over the world, members or not
+            group = dist.new_group([r * self.shards + shard for r in ranks])
+            if shard == self.shard:
+                self._groups[key] = group
 
     def _group(self, workers: Sequence[int]):
         return self._groups[frozenset(workers)]
@@ -224,6 +258,40 @@ class DistributedCommunicator(ExchangeMixin):
         gathered = self.wait(self.gather_over_workers(tensors, workers))
         return {w: [float(x) for x in g[0][:width]] for w, g in zip(workers, gathered, strict=True)}
 
+    # -- within a sharded worker ------------------------------------------------------------------------
+    def sum_over_shards(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the shards of this rank's workers (float64 sums of per-shard partial sums)."""
+        if self.shards == 1:
+            return values
+        summed = values.to(self.device, torch.float64)
+        dist.all_reduce(summed, group=self.shard_group)
+        return summed.cpu()
+
+    def max_over_shards(self, values: torch.Tensor) -> torch.Tensor:
+        """The largest of ``values`` over the shards of this rank's workers, element by element."""
+        if self.shards == 1:
+            return values
+        largest = values.to(self.device, torch.float64)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.shard_group)
+        return largest.cpu()
+
+    def gather_shards(self, tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """The whole tensors of ``shapes`` from every shard's rows of them, on every rank of the first row of the
+        mesh (the others get ``tensors`` back: rank 0 is the one that evaluates and exports)."""
+        if self.shards == 1 or self.rank != 0:
+            return list(tensors)
+        mine = flatten(tensors).to(self.device)
+        sizes = [sum(prod(shard_shape(s, i, self.shards)) for s in shapes) for i in range(self.shards)]
+        padded = torch.zeros(max(sizes), dtype=mine.dtype, device=self.device)
+        padded[: mine.numel()] = mine
+        gathered = [torch.empty_like(padded) for _ in range(self.shards)]
+        dist.all_gather(gathered, padded, group=self.shard_group)
+        pieces = []
+        for index, flat in enumerate(gathered):
+            like = [torch.empty(shard_shape(s, index, self.shards)) for s in shapes]
+            pieces.append(unflatten(flat[: sizes[index]].cpu(), like))
+        return [join_shards([p[i] for p in pieces]) for i in range(len(shapes))]
+
     # -- whole-world helpers -------------------------------------------------------------------------------
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int) -> None:
         """Overwrite ``tensors`` on every rank with ``src``'s values."""
@@ -231,7 +299,7 @@ class DistributedCommunicator(ExchangeMixin):
             return
         start = time.perf_counter()
         flat = flatten(tensors).to(self.device)
-        dist.broadcast(flat, src=src)
+        dist.broadcast(flat, src=self._global(src), group=self._world)
         with torch.no_grad():
             for t, value in zip(tensors, unflatten(flat.cpu(), tensors), strict=True):
                 t.copy_(value)
@@ -244,7 +312,7 @@ class DistributedCommunicator(ExchangeMixin):
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
         start = time.perf_counter()
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=self._global(src), group=self._world)
         self.stats.wait_seconds += time.perf_counter() - start
         self.stats.exchanges += self.world_size > 1
         return box[0]
@@ -252,17 +320,17 @@ class DistributedCommunicator(ExchangeMixin):
     def gather_objects(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""
         out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
+        dist.gather_object(obj, out, dst=self._global(0), group=self._world)
         return out
 
     def gather_floats(self, values: Sequence[float]) -> Future[list[list[float]]]:
         mine = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         outputs = [torch.empty_like(mine) for _ in range(self.world_size)]
-        work = dist.all_gather(outputs, mine, async_op=True)
+        work = dist.all_gather(outputs, mine, group=self._world, async_op=True)
         return work.get_future().then(lambda done: (done.wait(), [o.cpu().tolist() for o in outputs])[1])
 
     def barrier(self) -> None:
-        dist.barrier()
+        dist.barrier(group=self._world)
 
     def close(self) -> None:
         if dist.is_initialized():

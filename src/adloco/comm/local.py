@@ -20,6 +20,7 @@ class LocalCommunicator(ExchangeMixin):
 
     rank = 0
     world_size = 1
+    shards, shard = 1, 0  # a worker spans one process here
 
     def __init__(self) -> None:
         self.stats = CommStats()
@@ -73,6 +74,15 @@ class LocalCommunicator(ExchangeMixin):
         done: Future = Future()
         done.set_result([list(values)])
         return done
+
+    def sum_over_shards(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def max_over_shards(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def gather_shards(self, tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        return list(tensors)
 
     def barrier(self) -> None:
         pass

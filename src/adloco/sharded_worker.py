@@ -1,0 +1,127 @@
+"""A worker that spans several ranks: its model is sharded over them with FSDP2 (``fully_shard``).
+
+Each rank of the worker holds some rows of every parameter (``adloco.algorithms.sharding``), its AdamW moments for
+those rows, and a share of every inner step's samples. FSDP gathers the parameters for the forward and
+reduce-scatters the gradients, summed over the ranks, each rank's samples weighted by their share of the worker's
+batch: the worker's step is the same as on one rank. To the sync strategies and the trainer the worker looks like
+any other whose parameters are this rank's rows; they exchange those rows with the ranks that hold the same rows
+of the other workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from adloco.algorithms.switch import split_evenly
+from adloco.config import InnerConfig
+from adloco.data import TokenStream
+from adloco.worker import Worker, backward_in_micro_batches
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """``model`` sharded over ``mesh``: every block of its layer lists on its own (so only one block's parameters
+    are gathered at a time), then the rest. Gradients are summed over the shards, not averaged."""
+    blocks: list[str] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(block + ".") for block in blocks)
+        if isinstance(module, torch.nn.ModuleList) and not inside:
+            blocks.extend(f"{name}.{index}" for index in range(len(module)))
+            for block in module:
+                fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no scaled-sum reduction
+    return model
+
+
+class ShardedWorker(Worker):
+    """A worker whose model, gradients and AdamW state are sharded over the ranks of ``mesh``."""
+
+    def __init__(
+        self,
+        worker_id: int,
+        model: torch.nn.Module,
+        inner: InnerConfig,
+        stream: TokenStream,
+        *,
+        mesh: DeviceMesh,
+        sum_over_shards: Callable[[torch.Tensor], torch.Tensor],
+        **options: Any,
+    ) -> None:
+        self.mesh = mesh
+        self.shards, self.shard = mesh.size(), mesh.get_local_rank()
+        self._sum_over_shards = sum_over_shards
+        super().__init__(worker_id, shard_model(model, mesh), inner, stream, **options)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        # Views, taken anew: FSDP may replace a parameter's local storage when it first runs.
+        return [p.to_local().detach() for p in self.model_params]
+
+    def sum_over_shards(self, values: torch.Tensor) -> torch.Tensor:
+        return self._sum_over_shards(values)
+
+    def gradients(self) -> list[torch.Tensor | None]:
+        return [None if p.grad is None else p.grad.to_local().detach() for p in self.model_params]
+
+    @torch.no_grad()
+    def set_gradients(self, grads: list[torch.Tensor]) -> None:  # type: ignore[override]
+        for p, g in zip(self.model_params, grads, strict=True):
+            p.grad = _distributed_like(p, g.to(self.device, copy=True))
+
+    def _backward_share(
+        self,
+        loss_of: Callable[[int, int], torch.Tensor],
+        start: int,
+        stop: int,
+        weight_total: int,
+        b_max: int,
+        scale: float | None,
+    ) -> float:
+        """This rank's share of samples [start, stop), in as many micro-batches as every other shard runs (FSDP's
+        collectives pair up micro-batch by micro-batch); the worker's mean loss, summed over the shards."""
+        shares = split_evenly(stop - start, self.shards)
+        low = start + sum(shares[: self.shard])
+        high = low + shares[self.shard]
+        if low == high:
+            low = high = start  # no samples here: stand-in micro-batches of weight zero read a sample that exists
+        micro_batches = split_evenly(high - low, -(-shares[0] // b_max))
+        mean = backward_in_micro_batches(loss_of, low, high, weight_total, b_max, scale, micro_batches)
+        total = self.sum_over_shards((mean * (high - low)).reshape(1))
+        return float(total[0]) / (stop - start)
+
+    def _optimizer_state(self) -> dict:
+        state = self.optimizer.state_dict()
+        local = {k: {n: _local(v) for n, v in s.items()} for k, s in state["state"].items()}
+        return {**state, "state": local}
+
+    def _load_optimizer_state(self, state: dict) -> None:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        distributed = {
+            k: {n: _distributed_like(params[int(k)], v) if _moment(v) else v for n, v in s.items()}
+            for k, s in state["state"].items()
+        }
+        self.optimizer.load_state_dict({**state, "state": distributed})
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _moment(value: Any) -> bool:
+    """A per-element optimizer state (AdamW's moments), not a scalar such as its step count."""
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+def _distributed_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's rows) as a DTensor sharded as ``param`` is."""
+    assert isinstance(param, DTensor)
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())

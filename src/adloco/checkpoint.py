@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from adloco.algorithms.sharding import UNSHARDED, ShardLayout, recut
 from adloco.errors import CheckpointError, StorageError
 
 log = logging.getLogger(__name__)
@@ -153,19 +154,19 @@ def load_checkpoint(
     sha256: str | None = None,
     training: bool = False,
     wanted: Callable[[int], bool] | None = None,
-    shard: int = 0,
+    layout: ShardLayout = UNSHARDED,
 ) -> dict[str, Any]:
     """Load and check one checkpoint; with ``sha256`` the file must match the manifest's checksum.
 
     With ``training`` the top level must also have the shape a training run writes (trainers, workers,
     counters), so a foreign torch file is refused here rather than failing half-way through a resume. With
-    ``wanted`` the workers it refuses are left out (a sharded checkpoint does not even read them); ``shard``: the
-    shard of sharded workers whose state a rank reads.
+    ``wanted`` the workers it refuses are left out (a sharded checkpoint does not even read them); ``layout``: the
+    shard of sharded workers whose state a rank reads (cut anew from a checkpoint of another shard count).
     """
     if path.is_dir():
         from adloco.checkpoint_sharded import load_sharded_checkpoint  # it builds on this module
 
-        return _checked_shape(path, load_sharded_checkpoint(path, wanted, shard), training)
+        return _checked_shape(path, load_sharded_checkpoint(path, wanted, layout), training)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -193,7 +194,18 @@ def load_checkpoint(
         # checkpoints from before the shared b_max table kept each worker's b_max with the worker only
         cluster.setdefault("b_max", {w: s["b_max"] for w, s in workers.items() if "b_max" in s})
         cluster["workers"] = {w: s for w, s in workers.items() if wanted(w)}
-    return state
+    return state if layout.count == 1 else recut_checkpoint([state], layout, path)
+
+
+def recut_checkpoint(columns: list[dict[str, Any]], layout: ShardLayout, path: Path) -> dict[str, Any]:
+    """A checkpoint written by ``len(columns)`` shards (one state each), cut for shard ``layout.index`` of
+    ``layout.count``."""
+    if layout.shapes is None:
+        raise CheckpointError(
+            f"checkpoint '{path}' was written by {len(columns)} shards per worker, not {layout.count}"
+        )
+    log.info("checkpoint %s: %d shards per worker, cut anew for %d", path.name, len(columns), layout.count)
+    return recut(columns, layout.index, layout.count, layout.shapes())
 
 
 def _checked_shape(path: Path, state: dict[str, Any], training: bool) -> dict[str, Any]:
@@ -221,7 +233,10 @@ def _shape_problem(state: dict[str, Any]) -> str:
 
 
 def latest_checkpoint(
-    directory: Path, training: bool = False, wanted: Callable[[int], bool] | None = None, shard: int = 0
+    directory: Path,
+    training: bool = False,
+    wanted: Callable[[int], bool] | None = None,
+    layout: ShardLayout = UNSHARDED,
 ) -> dict[str, Any] | None:
     """The newest usable checkpoint (with only the workers ``wanted`` accepts); a damaged one is reported and the
     one before it is used."""
@@ -235,7 +250,7 @@ def latest_checkpoint(
     problems = []
     for path, sha256 in reversed(candidates):
         try:
-            state = load_checkpoint(path, sha256, training, wanted, shard)
+            state = load_checkpoint(path, sha256, training, wanted, layout)
         except CheckpointError as error:
             problems.append(str(error))
             continue

@@ -28,7 +28,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from adloco.checkpoint import FORMAT_VERSION, _record, _sha256, read_manifest, write_failure
+from adloco.algorithms.sharding import UNSHARDED, ShardLayout
+from adloco.checkpoint import FORMAT_VERSION, _record, _sha256, read_manifest, recut_checkpoint, write_failure
 from adloco.errors import CheckpointError, StorageError
 
 _REF = "\x00tensor:"  # marks a tensor's place in a skeleton; no state string starts with a NUL
@@ -138,10 +139,13 @@ def _finish(directory: Path, tmp: Path, final: Path, round_index: int, keep: int
     _record(directory, {"file": final.name, "round": round_index, "bytes": size, "files": files}, keep)
 
 
-def load_sharded_checkpoint(path: Path, wanted: Callable[[int], bool] | None = None, shard: int = 0) -> dict[str, Any]:
-    """The parts of ``round_<n>/`` that a rank holding ``shard`` of its workers needs, checked against the manifest's
-    checksums and put back together: the run's counters and config, that shard's shared state and the workers
-    ``wanted`` accepts (all without it); no other tensor is read."""
+def load_sharded_checkpoint(
+    path: Path, wanted: Callable[[int], bool] | None = None, layout: ShardLayout = UNSHARDED
+) -> dict[str, Any]:
+    """The parts of ``round_<n>/`` that a rank holding shard ``layout.index`` of its workers needs, checked against
+    the manifest's checksums and put back together: the run's counters and config, that shard's shared state and
+    the workers ``wanted`` accepts (all without it); no other tensor is read. A checkpoint of another shard count is
+    read whole (for those workers) and cut anew."""
     _check_files(path)
     try:
         reader = dcp.FileSystemReader(str(path))
@@ -151,7 +155,9 @@ def load_sharded_checkpoint(path: Path, wanted: Callable[[int], bool] | None = N
             int(key[len(_SKELETON) :]): torch.load(io.BytesIO(value.numpy().tobytes()), weights_only=True)
             for key, value in skeletons.items()
         }
-        ranks = {rank for rank, part in parts.items() if _shard_of(part) == shard}
+        saved = _saved_shards(parts)
+        columns = [layout.index] if saved == layout.count else list(range(saved))
+        ranks = {rank for rank, part in parts.items() if _shard_of(part) in columns}
         tensors = _read(
             path,
             {
@@ -164,7 +170,18 @@ def load_sharded_checkpoint(path: Path, wanted: Callable[[int], bool] | None = N
         )
     except (Exception, CheckpointException) as error:  # DCP and torch raise many types for damaged files
         raise CheckpointError(f"checkpoint '{path}' is damaged or not a checkpoint ({type(error).__name__})") from None
-    return _merged(path, parts, {rank: _join(_without_unwanted(parts[rank], wanted), tensors) for rank in ranks}, shard)
+    joined = {rank: _join(_without_unwanted(parts[rank], wanted), tensors) for rank in ranks}
+    states = [_merged(path, parts, {r: p for r, p in joined.items() if _shard_of(parts[r]) == c}, c) for c in columns]
+    if saved == layout.count:
+        return states[0]
+    return recut_checkpoint(states, layout, path)
+
+
+def _saved_shards(parts: dict[int, Any]) -> int:
+    """The shard count of the run that wrote the checkpoint (1 before sharded workers existed)."""
+    head = next((p for p in parts.values() if isinstance(p, dict) and "format_version" in p), {})
+    config = head.get("config")
+    return int(config.get("shards", 1)) if isinstance(config, dict) else 1
 
 
 def _read(path: Path, items: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -39,10 +39,13 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    preset: Literal["tiny", "small", "medium", "micro-llama-300m", "tiny-bert", "small-bert"] | None = Field(
-        None,
-        description="Preset built offline with random init: LLaMA (tiny, small, medium, micro-llama-300m) or BERT "
-        "(tiny-bert, small-bert; classification only). Default: tiny, or tiny-bert for task=classification.",
+    preset: Literal["tiny", "small", "medium", "micro-llama-300m", "llama-1b", "tiny-bert", "small-bert"] | None = (
+        Field(
+            None,
+            description="Preset built offline with random init: LLaMA (tiny, small, medium, micro-llama-300m, "
+            "llama-1b) or BERT (tiny-bert, small-bert; classification only). Default: tiny, or tiny-bert for "
+            "task=classification.",
+        )
     )
     path: str | None = Field(
         None,
@@ -634,7 +637,8 @@ RUN_CONFIG_FILE = "config.yaml"  # the resolved config, written into every run d
 
 
 # What may change when a run resumes: the budget, cadences, how the run is watched and kept, and how its
-# arithmetic is carried out (threads, TF32, compilation, stacked workers: the same math, at most other rounding).
+# arithmetic is carried out (threads, TF32, compilation, stacked workers, the shards of a worker: the same math,
+# at most other rounding).
 # Anything else (workers, model, data, method, optimizers...) would not fit the checkpoint's state or would change
 # its numbers.
 RESUME_SAFE_KEYS = (
@@ -643,6 +647,7 @@ RESUME_SAFE_KEYS = (
     "tf32",
     "compile",
     "batched_workers",
+    "shards",
     "comm.timeout_s",
     "checkpoint.*",
     "eval.*",

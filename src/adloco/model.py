@@ -19,12 +19,14 @@ Head = Literal["lm", "classification"]
 
 # Shapes: (layers, heads, key/value heads, hidden, MLP width, context). `tiny` is the size of nanoGPT's CPU
 # Shakespeare run (~0.9M parameters with bytes); `small` ~5M, `medium` ~20M; `micro-llama-300m` has
-# MicroLlama's shape (~240M with bytes, ~300M with a 32k vocabulary).
+# MicroLlama's shape (~240M with bytes, ~300M with a 32k vocabulary); `llama-1b` TinyLlama's (~0.97B with bytes,
+# ~1.1B with a 32k vocabulary), a model to shard over several devices (shards=S).
 PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
     "tiny": (4, 4, 4, 128, 384, 64),
     "small": (6, 8, 8, 256, 688, 128),
     "medium": (8, 8, 8, 448, 1280, 256),
     "micro-llama-300m": (12, 16, 4, 1024, 5632, 2048),
+    "llama-1b": (22, 32, 4, 2048, 5632, 2048),
 }
 
 # BERT encoders for sequence classification: (layers, heads, hidden, MLP width, context).

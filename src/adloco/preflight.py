@@ -32,17 +32,25 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    parameters: int, workers: int, trainers: int, batch: int, context: int, hidden: int, layers: int
+    parameters: int,
+    workers: int,
+    trainers: int,
+    batch: int,
+    context: int,
+    hidden: int,
+    layers: int,
+    shards: int = 1,
 ) -> MemoryEstimate:
     """Each hosted worker: weights, gradients and AdamW's two moments (4 copies) plus the activations of one
-    micro-batch (about 8 floats per token, layer and hidden unit); each trainer: θ and the outer momentum.
+    micro-batch (about 8 floats per token, layer and hidden unit); each trainer: θ and the outer momentum. A rank
+    holding one of ``shards`` shards of its workers holds that share of all of it (and of every step's samples).
 
     Deliberately low (no allocator slack, no buffers of the exchange): a run refused by it could not fit.
     """
-    activations = 8 * batch * context * hidden * layers * _FLOAT
+    activations = 8 * -(-batch // shards) * context * hidden * layers * _FLOAT
     return MemoryEstimate(
-        per_worker=4 * parameters * _FLOAT + activations,
-        per_trainer=2 * parameters * _FLOAT,
+        per_worker=4 * -(-parameters // shards) * _FLOAT + activations,
+        per_trainer=2 * -(-parameters // shards) * _FLOAT,
         workers=workers,
         trainers=trainers,
     )
@@ -90,5 +98,6 @@ def check_rank_memory(config: TrainConfig, model: torch.nn.Module, context: int,
         context=context,
         hidden=int(getattr(settings, "hidden_size", 0) or 0),
         layers=int(getattr(settings, "num_hidden_layers", 0) or 0),
+        shards=config.shards,
     )
     check_memory(estimate, available_memory())

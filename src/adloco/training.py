@@ -17,6 +17,7 @@ from rich.console import Console
 from transformers.utils import logging as hf_logging
 
 from adloco.algorithms.schedules import inner_lr
+from adloco.algorithms.sharding import ShardLayout
 from adloco.checkpoint import (
     CheckpointError,
     apply_umask,
@@ -343,7 +344,7 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
     error: BaseException | None = None
     started = False
     try:
-        checkpoint = _resume_from(config, run_dir, lock, console, comm) if resume is not None else None
+        checkpoint = _resume_from(config, run_dir, lock, console, comm, run_task) if resume is not None else None
         if restart is not None and comm.rank == 0:
             _announce_restart(restart[0], run_dir, checkpoint, console)
         started = True
@@ -397,17 +398,20 @@ def _claim_run_dir(
 
 
 def _resume_from(
-    config: TrainConfig, run_dir: Path, lock: RunLock | None, console: Console, comm: Communicator
+    config: TrainConfig, run_dir: Path, lock: RunLock | None, console: Console, comm: Communicator, task: Task
 ) -> dict:
     """The newest intact checkpoint, after checking that only resume-safe settings changed since it was written.
-    Each rank keeps the workers it hosts (and those an elastic resize retires, whose streams every rank keeps)."""
+    Each rank keeps the workers it hosts (and those an elastic resize retires, whose streams every rank keeps), and
+    its shard of them, cut anew if the checkpoint has another shard count."""
     hosted = hosted_workers(config, comm.rank, comm.world_size)
 
     def wanted(worker_id: int) -> bool:
         return worker_id in hosted or worker_id >= config.total_workers
 
-    shard = comm.rank % config.shards
-    checkpoint = latest_checkpoint(run_dir / "checkpoints", training=True, wanted=wanted, shard=shard)
+    layout = ShardLayout(
+        comm.rank % config.shards, config.shards, lambda: {tuple(p.shape) for p in task.build_model(0).parameters()}
+    )
+    checkpoint = latest_checkpoint(run_dir / "checkpoints", training=True, wanted=wanted, layout=layout)
     changes = resume_changes(checkpoint.get("config"), config)
     if lock is not None and changes:
         write_run_config(run_dir, config)  # the next resume starts from these settings

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from adloco.algorithms.batch_tests import GroupedGradient
-from adloco.algorithms.sharding import join_shards, local_shard, shard_rows, shard_shape
+from adloco.algorithms.sharding import join_shards, local_shard, recut, shard_rows, shard_shape
 
 
 @pytest.mark.parametrize(("rows", "count"), [(10, 4), (2, 4), (7, 2), (1, 3), (64, 8)])
@@ -55,3 +55,29 @@ def test_statistics_of_a_sharded_gradient_add_up_to_those_of_the_whole(gram):
     assert got.grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-12)
     if gram:
         assert got.ip_variance == pytest.approx(expected.ip_variance, rel=1e-9)
+
+
+def test_a_state_saved_by_two_shards_is_cut_anew_for_three():
+    """Parameter rows (θ, moments) are joined and cut again; what every shard holds alike is taken once."""
+    shapes = {(5, 2), (4,)}
+    weight, norm, moment = torch.randn(5, 2), torch.randn(4), torch.randn(5, 2)
+    stream = torch.arange(4, dtype=torch.uint8)  # a generator state: the same on every shard, never cut
+
+    def saved(index: int, count: int) -> dict:
+        return {
+            "theta": [local_shard(weight, index, count), local_shard(norm, index, count)],
+            "optimizer": {0: {"step": torch.tensor(7.0), "exp_avg": local_shard(moment, index, count)}},
+            "stream": stream.clone(),
+            "round": 3,
+        }
+
+    columns = [saved(0, 2), saved(1, 2)]
+    for index in range(3):
+        state = recut(columns, index, 3, shapes)
+        expected = saved(index, 3)
+        assert all(torch.equal(a, b) for a, b in zip(state["theta"], expected["theta"], strict=True))
+        assert torch.equal(state["optimizer"][0]["exp_avg"], expected["optimizer"][0]["exp_avg"])
+        assert float(state["optimizer"][0]["step"]) == 7.0 and state["round"] == 3
+        assert torch.equal(state["stream"], stream)
+    whole = recut([saved(0, 1)], 0, 1, shapes)  # one shard to one: the state as it was
+    assert torch.equal(whole["theta"][0], weight)

@@ -106,6 +106,7 @@ class DistributedCommunicator(ExchangeMixin):
         self._world: Any = dist.group.WORLD
         self.shard_group: Any = None
         self.shard_mesh: Any = None
+        self._views: list[DistributedCommunicator] = []
 
     def shard_view(self, shards: int) -> DistributedCommunicator:
         """This communicator among the ranks that hold the same shard of every worker: HSDP's replicate
@@ -124,6 +125,8 @@ class DistributedCommunicator(ExchangeMixin):
         view.placement, view._groups = {}, {}
         view._world = mesh.get_group("replicate")
         view.shard_group, view.shard_mesh = mesh.get_group("shard"), mesh["shard"]
+        view._views = []
+        self._views.append(view)
         return view
 
     def _global(self, rank: int) -> int:
@@ -337,5 +340,8 @@ class DistributedCommunicator(ExchangeMixin):
             dist.destroy_process_group()
         # Held group handles would keep gloo's worker threads alive until interpreter teardown, where joining
         # them may abort the process (SIGABRT after a finished run); release them while Python is still whole.
-        self._groups.clear()
+        for holder in [self, *self._views]:
+            holder._groups.clear()
+            holder._world = holder.shard_group = holder.shard_mesh = None
+        self._views.clear()
         gc.collect()

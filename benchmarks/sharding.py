@@ -3,10 +3,11 @@
     python benchmarks/sharding.py [--preset micro-llama-300m] [--write]
 
 Runs DiLoCo with 2 workers under torchrun, one process per rank, once unsharded (2 ranks) and once with each worker
-sharded over 2 ranks (4 ranks), both with sharded checkpoints. Reports per rank the resident memory at the end of
-the last round and its peak over the run, the bytes it handed to the backend in a round, and both runs' final
-validation loss; beside them, what adloco's memory preflight estimates for a rank of each layout, and its estimate
-for the ``llama-1b`` preset at S = 1, 2, 4 and 8. With ``--write`` the figures go to
+sharded over 2 ranks (4 ranks), both with sharded checkpoints, and once unsharded with the tiny model for the
+memory a rank needs without a model to speak of (torch, the data, the run). Reports per rank the resident memory
+at the end of the last round and its peak over the run, the bytes it handed to the backend in a round, and both
+runs' final validation loss; beside them, what adloco's memory preflight estimates for a rank of each layout, and
+its estimate for the ``llama-1b`` preset at S = 1, 2, 4 and 8. With ``--write`` the figures go to
 ``benchmarks/results/sharding.json``.
 """
 
@@ -85,16 +86,27 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
         runs = [_run(shards, args.preset, args.context, Path(root)) for shards in (1, 2)]
+        baseline = _run(1, "tiny", args.context, Path(root) / "baseline")  # the process without a model to speak of
+    floor = max(baseline["peak_rss_mib"])
+    print(f"baseline (tiny model, 2 ranks): peak {baseline['peak_rss_mib']} MiB per rank")
     for run in runs:
+        run["peak_above_baseline_mib"] = [round(m - floor, 1) for m in run["peak_rss_mib"]]
         run["estimate_mib"] = round(_estimate_mib(args.preset, args.context, 2, run["shards"]), 1)
         print(
             f"shards={run['shards']} ({run['ranks']} ranks): rss at the end {run['rss_mib']} MiB, peak "
-            f"{run['peak_rss_mib']} MiB, preflight estimate {run['estimate_mib']} MiB per rank (state only); "
+            f"{run['peak_rss_mib']} MiB ({run['peak_above_baseline_mib']} above the baseline), preflight estimate "
+            f"{run['estimate_mib']} MiB per rank (state only); "
             f"wire bytes per round {run['wire_bytes_per_round']}; val loss {run['val_loss']:.4f}"
         )
     billion = {s: round(_estimate_mib("llama-1b", 2048, 4, s) / 1024, 1) for s in (1, 2, 4, 8)}
     print(f"llama-1b, context 2048, micro-batch 4, one worker's shard and θ's rows per rank (GiB): {billion}")
-    result = {"preset": args.preset, "context": args.context, "runs": runs, "llama_1b_estimate_gib": billion}
+    result = {
+        "preset": args.preset,
+        "context": args.context,
+        "runs": runs,
+        "baseline_peak_rss_mib": baseline["peak_rss_mib"],
+        "llama_1b_estimate_gib": billion,
+    }
     if args.write:
         RESULTS.write_text(json.dumps({**result, "environment": environment()}, indent=2) + "\n")
 

@@ -24,7 +24,7 @@ from adloco.comm.base import Communicator
 from adloco.config import BatchConfig, ConfigError, TrainConfig
 from adloco.pace import CostModel, Pace, time_steps, timed_batches
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
-from adloco.sharded_worker import ShardedWorker
+from adloco.sharded_worker import ShardedWorker, sharded_copy
 from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build_strategy
 from adloco.sync.rounds import SKIPPED_STEP, BoundaryRequest
 from adloco.tasks import Task
@@ -102,6 +102,11 @@ def resolve_b_max(
     batch = config.batch
     if batch.b_max is not None:
         return batch.b_max
+    if config.shards > 1:  # a probe would hold the whole model on one device, and its shards would have to agree
+        log.info(
+            "sharded workers: no b_max probe; micro-batches of up to batch.b_cap=%d (set batch.b_max)", batch.b_cap
+        )
+        return batch.b_cap
     device = next(model.parameters()).device
     meter: MemoryMeter
     if device.type == "cuda":
@@ -187,9 +192,11 @@ class Cluster:
         if batch.step_seconds is not None:
             return CostModel(dict.fromkeys(self.worker_rank, StepCost(*batch.step_seconds)), False, batch.round_seconds)
         worker_id = min(self.workers)
-        # A sharded worker's model cannot be copied: time an unsharded one (its step at the whole batch)
-        model = self.workers[worker_id].model if self.comm.shards == 1 else template.to(self.device)
-        step_at = training_step_at(model, self.context, self.task.vocab_size, self.task, self.config.precision)
+        worker = self.workers[worker_id]
+        if isinstance(worker, ShardedWorker):  # it cannot be copied: time its own forward and backward
+            step_at = worker.scratch_step(self.task)
+        else:
+            step_at = training_step_at(worker.model, self.context, self.task.vocab_size, self.task, worker.precision)
         top = min(batch.b_cap, self.b_max[worker_id])
         cost = time_steps(step_at, timed_batches(min(batch.size, top), top))
         timed = self.comm.sum_over_shards(torch.tensor([cost.overhead, cost.per_sample], dtype=torch.float64))
@@ -204,7 +211,8 @@ class Cluster:
         for trainer_id, worker_ids in layout.items():
             template = task.build_model(config.seed if config.merge.shared_init else config.seed + trainer_id)
             if b_max is None:
-                b_max = resolve_b_max(config, template.to(self.device), self.context, task.vocab_size, task)
+                on_device = template.to(self.device) if config.shards == 1 else template  # never whole on a device
+                b_max = resolve_b_max(config, on_device, self.context, task.vocab_size, task)
                 template = template.cpu()
                 fragments = parameter_fragments(config, [name for name, _ in template.named_parameters()])
             self.trainers[trainer_id] = self._trainer(trainer_id, template, worker_ids, fragments)
@@ -257,16 +265,16 @@ class Cluster:
         stream = self.task.stream(
             config.seed * _STREAM_SEED_STRIDE + worker_id, worker=worker_id, workers=config.total_workers
         )
-        model = copy.deepcopy(template).to(self.device)
         options = dict(loss_fn=self.task.loss, precision=config.precision, compile_step=config.compile)
         if self.comm.shards == 1:
-            return Worker(worker_id, model, config.inner, stream, **options)
+            return Worker(worker_id, copy.deepcopy(template).to(self.device), config.inner, stream, **options)
+        mesh = self.comm.shard_mesh  # type: ignore[attr-defined]
         return ShardedWorker(
             worker_id,
-            model,
+            sharded_copy(template, mesh, self.device),  # never whole on the device
             config.inner,
             stream,
-            mesh=self.comm.shard_mesh,  # type: ignore[attr-defined]
+            mesh=mesh,
             sum_over_shards=self.comm.sum_over_shards,
             **options,
         )

@@ -24,6 +24,7 @@ import torch
 
 from adloco.algorithms.batch_tests import BatchSizeController, GradientStatistics, statistics_from_gram
 from adloco.algorithms.noise import batch_deviations, gram_of_rows, predicted_deviation, simple_noise_scale
+from adloco.algorithms.sharding import ShardLayout
 from adloco.checkpoint import CheckpointError, checkpoint_round, list_checkpoints, load_checkpoint, read_manifest
 from adloco.config import ConfigError, TrainConfig
 from adloco.data import SAVED_DIR, build_tokenizer, load_corpus
@@ -139,7 +140,12 @@ def _load_checkpoint(
     run_dir: Path, config: TrainConfig, round_index: int | str, trainer: int | None
 ) -> tuple[torch.nn.Module, Task, Source]:
     path, sha256 = _checkpoint_path(run_dir / "checkpoints", round_index)
-    state = load_checkpoint(path, sha256)
+    # The run's own tokenizer: a trained BPE is reloaded from the run, never trained again.
+    tokenizer = build_tokenizer(config.data, None, None if config.data.tokenizer == "byte" else run_dir / SAVED_DIR)
+    task = _task(config, tokenizer)
+    model = task.build_model(config.seed)
+    whole = ShardLayout(0, 1, lambda: {tuple(p.shape) for p in model.parameters()})  # sharded workers' θ joined
+    state = load_checkpoint(path, sha256, layout=whole)
     try:
         trainers = state["cluster"]["trainers"]
         saved_round = int(state["round"])
@@ -154,10 +160,6 @@ def _load_checkpoint(
     if trainer not in trainers:
         raise CheckpointError(f"checkpoint '{path}' has no trainer {trainer} (trainers: {sorted(trainers)})")
     saved = trainers[trainer]
-    # The run's own tokenizer: a trained BPE is reloaded from the run, never trained again.
-    tokenizer = build_tokenizer(config.data, None, None if config.data.tokenizer == "byte" else run_dir / SAVED_DIR)
-    task = _task(config, tokenizer)
-    model = task.build_model(config.seed)
     theta = saved["theta"]
     if [tuple(t.shape) for t in theta] != [tuple(p.shape) for p in model.parameters()]:
         raise CheckpointError(f"checkpoint '{path}' holds parameters of another model shape than the run's config")

@@ -10,6 +10,7 @@ of the other workers.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +19,29 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from adloco.algorithms.sharding import shard_rows
 from adloco.algorithms.switch import split_evenly
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
+from adloco.precision import autocast_for
+from adloco.tasks import Task
 from adloco.worker import Worker, backward_in_micro_batches
+
+
+def sharded_copy(template: torch.nn.Module, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
+    """A copy of ``template`` sharded over ``mesh`` on ``device``, where only this rank's rows of each parameter are
+    ever allocated: the copy starts on the meta device, is sharded, and then takes its rows from ``template``."""
+    placeholders = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta")) for p in template.parameters()}
+    model = shard_model(copy.deepcopy(template, placeholders), mesh)  # buffers (small) are copied whole
+    model.to_empty(device=device)
+    index, count = mesh.get_local_rank(), mesh.size()
+    with torch.no_grad():
+        for param, whole in zip(model.parameters(), template.parameters(), strict=True):
+            start, stop = shard_rows(whole.size(0), index, count)
+            param.to_local().copy_(whole[start:stop])
+        for buffer, whole in zip(model.buffers(), template.buffers(), strict=True):
+            buffer.copy_(whole)
+    return model
 
 
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
@@ -43,7 +63,8 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
 
 
 class ShardedWorker(Worker):
-    """A worker whose model, gradients and AdamW state are sharded over the ranks of ``mesh``."""
+    """A worker whose model (from ``sharded_copy``), gradients and AdamW state are sharded over the ranks of
+    ``mesh``."""
 
     def __init__(
         self,
@@ -59,7 +80,7 @@ class ShardedWorker(Worker):
         self.mesh = mesh
         self.shards, self.shard = mesh.size(), mesh.get_local_rank()
         self._sum_over_shards = sum_over_shards
-        super().__init__(worker_id, shard_model(model, mesh), inner, stream, **options)
+        super().__init__(worker_id, model, inner, stream, **options)
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -68,6 +89,19 @@ class ShardedWorker(Worker):
 
     def sum_over_shards(self, values: torch.Tensor) -> torch.Tensor:
         return self._sum_over_shards(values)
+
+    def scratch_step(self, task: Task) -> Callable[[int], None]:
+        """A timed step for the cost model: the forward and backward of this rank's share of ``batch`` scratch
+        samples on the worker's own model (a sharded model cannot be copied), leaving no gradient behind."""
+
+        def step(batch: int) -> None:
+            share = -(-batch // self.shards)
+            with autocast_for(self.precision, self.device):
+                loss = task.loss(self.model, *task.scratch_batch(share, self.device))
+            loss.backward()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        return step
 
     def gradients(self) -> list[torch.Tensor | None]:
         return [None if p.grad is None else p.grad.to_local().detach() for p in self.model_params]

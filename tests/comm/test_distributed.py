@@ -12,6 +12,7 @@ import torch
 
 from adloco.checkpoint import list_checkpoints
 from adloco.config import build_config, resume_config
+from adloco.gradients import load_parameters
 from adloco.metrics import read_metrics
 from adloco.training import train
 from tests.conftest import PINNED_PACE, cut_back, final_params, same_params
@@ -120,6 +121,9 @@ def test_two_workers_of_two_shards_match_unsharded_workers_with_half_the_bytes_p
     half_of_theta = 4 * sum(t.numel() for t in got.values()) / 2
     for rank in rounds[-1]["ranks"]:  # its rows of its worker's pseudo-gradient, and the worker's report
         assert half_of_theta < rank["wire_bytes"] < 1.01 * half_of_theta
+
+    model, _, _ = load_parameters(dist_dir, resume_config(dist_dir), "latest")  # adloco gradients' reader
+    assert same_params(got, {name: p.detach() for name, p in model.named_parameters()})
 
     partial = cut_back(dist_dir, tmp_path / "partial", keep=2)
     _torchrun(4, ["--resume", str(partial)], cwd=tmp_path)

@@ -7,7 +7,15 @@ import traceback
 import pytest
 import torch
 
-from adloco.checkpoint import FORMAT_VERSION, CheckpointError, latest_checkpoint, list_checkpoints, save_checkpoint
+from adloco.algorithms.sharding import ShardLayout
+from adloco.checkpoint import (
+    FORMAT_VERSION,
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    recut_checkpoint,
+    save_checkpoint,
+)
 from adloco.checkpoint_sharded import save_sharded_checkpoint
 from adloco.errors import StorageError
 
@@ -136,3 +144,21 @@ def test_leftovers_of_any_torn_save_are_cleared(tmp_path):
     (tmp_path / ".round_000007.tmp").mkdir(parents=True)
     save_sharded_checkpoint(tmp_path, 1, _shared(1), 2, 0, lambda: None, distributed=False)
     assert not list(tmp_path.glob(".round_*"))
+
+
+def test_a_change_of_shard_count_cuts_theta_anew_and_restarts_error_feedback(tmp_path):
+    """θ's rows are joined and cut again; a codec's flat residual per fragment has no parameter's rows to cut, so
+    it restarts from zero (and says so) rather than failing on its shape at the first exchange."""
+    theta = torch.randn(6, 2)
+
+    def column(index: int) -> dict:
+        rows = theta[3 * index : 3 * index + 3]
+        worker = {"error_feedback": {"residuals": {"0/0": torch.randn(7)}}, "b_max": 4}
+        return {"round": 2, "cluster": {"trainers": {0: {"theta": [rows]}}, "workers": {0: worker}}}
+
+    layout = ShardLayout(0, 1, lambda: {(6, 2)})
+    state = recut_checkpoint([column(0), column(1)], layout, tmp_path / "round_000002")
+    assert torch.equal(state["cluster"]["trainers"][0]["theta"][0], theta)
+    assert state["cluster"]["workers"][0]["error_feedback"] is None and state["cluster"]["workers"][0]["b_max"] == 4
+    with pytest.raises(CheckpointError, match="written by 2 shards per worker, not 1"):
+        recut_checkpoint([column(0), column(1)], ShardLayout(0, 1), tmp_path / "round_000002")

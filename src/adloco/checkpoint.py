@@ -205,7 +205,14 @@ def recut_checkpoint(columns: list[dict[str, Any]], layout: ShardLayout, path: P
             f"checkpoint '{path}' was written by {len(columns)} shards per worker, not {layout.count}"
         )
     log.info("checkpoint %s: %d shards per worker, cut anew for %d", path.name, len(columns), layout.count)
-    return recut(columns, layout.index, layout.count, layout.shapes())
+    state = recut(columns, layout.index, layout.count, layout.shapes())
+    workers = state.get("cluster", {}).get("workers", {})
+    # A codec's error feedback is kept per fragment as one flat residual, whose rows are no parameter's
+    if any(isinstance(w, dict) and w.get("error_feedback") for w in workers.values()):
+        log.warning("error-feedback residuals restart from zero after a change of shard count")
+        for worker in workers.values():
+            worker["error_feedback"] = None
+    return state
 
 
 def _checked_shape(path: Path, state: dict[str, Any], training: bool) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import os
 import sys
@@ -108,6 +109,15 @@ def _split_items(items: list[str]) -> tuple[str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _command(args)
+    finally:
+        # A run that ended in an error left reference cycles (a sharded model's process groups among them) that
+        # would otherwise be freed at interpreter exit, where gloo's threads may abort the process.
+        gc.collect()
+
+
+def _command(args: argparse.Namespace) -> int:
     from adloco.config import load_config
     from adloco.errors import CheckpointError, ConfigError, DataError
     from adloco.stopping import Stopped

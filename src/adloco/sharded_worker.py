@@ -25,7 +25,7 @@ from adloco.config import InnerConfig
 from adloco.data import TokenStream
 from adloco.precision import autocast_for
 from adloco.tasks import Task
-from adloco.worker import Worker, backward_in_micro_batches
+from adloco.worker import StepResult, Worker, backward_in_micro_batches
 
 
 def sharded_copy(template: torch.nn.Module, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
@@ -131,6 +131,11 @@ class ShardedWorker(Worker):
         mean = backward_in_micro_batches(loss_of, low, high, weight_total, b_max, scale, micro_batches)
         total = self.sum_over_shards((mean * (high - low)).reshape(1))
         return float(total[0]) / (stop - start)
+
+    def _fitting_step(self, accumulate: Callable[[int], StepResult], b_max: int) -> StepResult:
+        """No retry with a smaller micro-batch after running out of memory: the worker's other ranks would be
+        waiting in a collective of the step that failed (set ``batch.b_max`` instead)."""
+        return self._checked(accumulate(b_max), b_max)
 
     def _optimizer_state(self) -> dict:
         state = self.optimizer.state_dict()

@@ -108,7 +108,8 @@ class Trainer:
         local = {w: [workers[w].last_gradient] for w in self.worker_ids if w in workers}
         gathered = comm.wait(comm.gather_over_workers(local, self.worker_ids))
         stacked = torch.stack([g[0] for g in gathered]).double()
-        return statistics_from_gram(stacked @ stacked.T, [self.batch_size] * len(self.worker_ids))
+        gram = comm.sum_over_shards(stacked @ stacked.T)  # sharded workers: each rank gathered its rows
+        return statistics_from_gram(gram, [self.batch_size] * len(self.worker_ids))
 
     def decide_batch(self, statistics: GradientStatistics, pace: Pace | None = None) -> BatchDecision:
         """The next b: the batch test's, or (time-aware) the fastest batch from the test's smoothed statistics."""

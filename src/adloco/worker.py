@@ -134,10 +134,7 @@ class Worker:
         """One step's gradients from ``accumulate(micro_batch)``, halving the micro-batch until it fits in memory."""
         while True:
             try:
-                result = accumulate(b_max)
-                result.finite = math.isfinite(result.loss) and self._gradients_finite()
-                result.b_max = b_max
-                return result
+                return self._checked(accumulate(b_max), b_max)
             except (RuntimeError, torch.OutOfMemoryError) as error:
                 if not is_out_of_memory(error) or b_max == 1:
                     raise
@@ -147,8 +144,15 @@ class Worker:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
 
+    def _checked(self, result: StepResult, b_max: int) -> StepResult:
+        """``result`` with its health (a finite loss and gradient) and the micro-batch cap that worked."""
+        result.finite = math.isfinite(result.loss) and self._gradients_finite()
+        result.b_max = b_max
+        return result
+
     def _gradients_finite(self) -> bool:
-        grads = [g.reshape(1, -1) for g in self.gradients() if g is not None]
+        # a shard past a small parameter's last row holds none of it
+        grads = [g.reshape(1, -1) for g in self.gradients() if g is not None and g.numel() > 0]
         # one host sync for the whole model rather than one per tensor
         finite = finite_rows(grads).double() if grads else torch.ones(1, dtype=torch.float64)
         return bool(self.sum_over_shards(1 - finite) == 0)  # a sharded worker's shards must agree

@@ -37,7 +37,9 @@ def shard_rows(rows: int, index: int, count: int) -> tuple[int, int]:
 
 
 def local_shard(tensor: torch.Tensor, index: int, count: int) -> torch.Tensor:
-    """Shard ``index`` of ``count`` of ``tensor`` (a copy, so it owns its memory)."""
+    """Shard ``index`` of ``count`` of ``tensor`` (a copy that owns its memory; the tensor itself for one shard)."""
+    if count == 1:
+        return tensor
     start, stop = shard_rows(tensor.size(0), index, count)
     return tensor[start:stop].clone()
 

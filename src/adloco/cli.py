@@ -112,9 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _command(args)
     finally:
-        # A run that ended in an error left reference cycles (a sharded model's process groups among them) that
-        # would otherwise be freed at interpreter exit, where gloo's threads may abort the process.
-        gc.collect()
+        # A torchrun rank that ended in an error left reference cycles (a sharded model's process groups among
+        # them) that would otherwise be freed at interpreter exit, where gloo's threads may abort the process.
+        # Only there: a full collection of torch's heap costs a good part of a second.
+        distributed = sys.modules.get("adloco.comm.distributed")
+        if distributed is not None and distributed.launched_by_torchrun():
+            gc.collect()
 
 
 def _command(args: argparse.Namespace) -> int:

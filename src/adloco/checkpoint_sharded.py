@@ -155,9 +155,13 @@ def load_sharded_checkpoint(
             int(key[len(_SKELETON) :]): torch.load(io.BytesIO(value.numpy().tobytes()), weights_only=True)
             for key, value in skeletons.items()
         }
-        saved = _saved_shards(parts)
-        columns = [layout.index] if saved == layout.count else list(range(saved))
-        ranks = {rank for rank, part in parts.items() if _shard_of(part) in columns}
+    except (Exception, CheckpointException) as error:  # DCP and torch raise many types for damaged files
+        raise _damaged(path, error) from None
+    head = _head(path, parts)
+    saved = int(head["config"].get("shards", 1)) if isinstance(head.get("config"), dict) else 1
+    columns = [layout.index] if saved == layout.count else list(range(saved))
+    ranks = {rank for rank, part in parts.items() if _shard_of(part) in columns}
+    try:
         tensors = _read(
             path,
             {
@@ -168,20 +172,29 @@ def load_sharded_checkpoint(
                 and (_worker_of(key) is None or wanted is None or wanted(_worker_of(key)))
             },
         )
-    except (Exception, CheckpointException) as error:  # DCP and torch raise many types for damaged files
-        raise CheckpointError(f"checkpoint '{path}' is damaged or not a checkpoint ({type(error).__name__})") from None
+    except (Exception, CheckpointException) as error:
+        raise _damaged(path, error) from None
     joined = {rank: _join(_without_unwanted(parts[rank], wanted), tensors) for rank in ranks}
-    states = [_merged(path, parts, {r: p for r, p in joined.items() if _shard_of(parts[r]) == c}, c) for c in columns]
+    states = [_merged(path, head, {r: p for r, p in joined.items() if _shard_of(parts[r]) == c}, c) for c in columns]
     if saved == layout.count:
         return states[0]
     return recut_checkpoint(states, layout, path)
 
 
-def _saved_shards(parts: dict[int, Any]) -> int:
-    """The shard count of the run that wrote the checkpoint (1 before sharded workers existed)."""
-    head = next((p for p in parts.values() if isinstance(p, dict) and "format_version" in p), {})
-    config = head.get("config")
-    return int(config.get("shards", 1)) if isinstance(config, dict) else 1
+def _damaged(path: Path, error: BaseException) -> CheckpointError:
+    return CheckpointError(f"checkpoint '{path}' is damaged or not a checkpoint ({type(error).__name__})")
+
+
+def _head(path: Path, parts: dict[int, Any]) -> dict[str, Any]:
+    """Rank 0's part: the format version, round, counters and config (the shard count it was written with)."""
+    head = next((p for p in parts.values() if isinstance(p, dict) and "format_version" in p), None)
+    if head is None:
+        raise CheckpointError(f"checkpoint '{path}' has no shared state (rank 0's part)")
+    if head["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint '{path}' has format version {head['format_version']!r}, this adloco reads {FORMAT_VERSION}"
+        )
+    return head
 
 
 def _read(path: Path, items: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -197,16 +210,9 @@ def _shard_of(part: Any) -> int:
     return int(part.get("cluster", {}).get("shard", 0)) if isinstance(part, dict) else 0
 
 
-def _merged(path: Path, parts: dict[int, Any], joined: dict[int, Any], shard: int) -> dict[str, Any]:
+def _merged(path: Path, head: dict[str, Any], joined: dict[int, Any], shard: int) -> dict[str, Any]:
     """One state from the run's head (format version, round, counters, config), the shard's shared state and its
     workers."""
-    head = next((p for p in parts.values() if isinstance(p, dict) and "format_version" in p), None)
-    if head is None:
-        raise CheckpointError(f"checkpoint '{path}' has no shared state (rank 0's part)")
-    if head["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint '{path}' has format version {head['format_version']!r}, this adloco reads {FORMAT_VERSION}"
-        )
     lead = next((p for p in joined.values() if "trainers" in p.get("cluster", {})), None)
     if lead is None:
         raise CheckpointError(f"checkpoint '{path}' holds no shard {shard} of the workers' models")

@@ -617,7 +617,8 @@ class Cluster:
         return {**self.shared_state(), "workers": {w: state for part in gathered for w, state in part.items()}}
 
     def local_state_dict(self) -> dict:
-        """What this rank writes of a sharded checkpoint: its workers, and on rank 0 the shared state too."""
+        """What this rank writes of a sharded checkpoint: its workers (its shard of them), and on the first rank of
+        each shard the shared state (that shard's rows of it) too."""
         workers = {w: self._worker_state(w) for w in self.workers}
         return {**(self.shared_state() if self.comm.rank == 0 else {}), "workers": workers, "shard": self.comm.shard}
 

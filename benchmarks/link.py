@@ -4,6 +4,8 @@
     python benchmarks/link.py --rates 100 --tokens 32000   # a quick look (~3 min)
     python benchmarks/link.py --ranks 4 --methods ddp,diloco
     python benchmarks/link.py --adaptive --ranks 2,4 --write eval.every=1   # AdLoCo vs DiLoCo at H 10/20/50
+    python benchmarks/link.py --adaptive --links 100@50 --write eval.every=1    # the same over the delay line
+    python benchmarks/link.py --adaptive --corpus python --write eval.every=1   # on the standard library's sources
 
 Every rank runs in its own network namespace (rank k at 10.77.0.<k+1>) and reaches the others through a bridge
 in a hub namespace, like machines on one switch. Each rank's veth pair carries a ``tc`` token-bucket filter
@@ -44,11 +46,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "link-and-peers.md"
 RESULTS = ROOT / "benchmarks" / "results" / "link.json"
-LATENCY_RESULTS = ROOT / "benchmarks" / "results" / "latency.json"
 BEGIN, END = "<!-- link:begin -->", "<!-- link:end -->"
-LATENCY_BEGIN, LATENCY_END = "<!-- latency:begin -->", "<!-- latency:end -->"
-ADAPTIVE_RESULTS = ROOT / "benchmarks" / "results" / "link_adloco.json"
-ADAPTIVE_BEGIN, ADAPTIVE_END = "<!-- link-adloco:begin -->", "<!-- link-adloco:end -->"
+DEFAULT_OUT = ROOT / "runs" / "link"
 SUBNET = "10.77.0"
 TBF_LATENCY = "400ms"  # how long a packet may wait in the bucket's queue before tbf drops it (not a delay)
 
@@ -810,10 +809,7 @@ def latency_markdown(report: dict[str, Any]) -> str:
     head = _stopped_runs_head(report, "Every link is the delay line, the ~0 ms rows included.")
     tables = []
     for run in report["runs"]:
-        title = (
-            f"{run['ranks']} ranks, {run['rate_mbit']} Mbit/s, {run['rtt_ms']:g} ms RTT (measured "
-            f"{run['measured_mbit']:.0f} Mbit/s and {run['measured_rtt_ms']:.1f} ms rank 0 → rank 1)"
-        )
+        title = _link_title(run)
         burst = run["burst_ms"]
         note = (
             f"A 4 MB burst after 0.5 s idle takes {burst['slow_start']:.0f} ms with the kernel's slow start after "
@@ -830,36 +826,46 @@ def latency_markdown(report: dict[str, Any]) -> str:
     return "\n\n".join([head, *tables, "\n".join(lines)])
 
 
-def run_latency(args: argparse.Namespace, links: list[tuple[int, float]], report: dict[str, Any]) -> None:
-    """Every method over the delay line, for every rank count and (rate, RTT); runs go into ``report``."""
+@contextmanager
+def measured_link(ranks: int, rate: int, rtt: float | None) -> Iterator[tuple[Link, dict[str, Any]]]:
+    """The tbf bridge (``rtt`` None) or the delay line, and what was measured on it before the runs."""
+    if rtt is None:
+        print(f"link at {rate} Mbit/s, {ranks} ranks", flush=True)
+        with namespace_link(rate, ranks) as link:
+            measured = measure_rate(link, megabytes=max(4, min(64, rate // 8)))
+            print(f"  measured {measured:.1f} Mbit/s", flush=True)
+            yield link, {"ranks": ranks, "rate_mbit": rate, "measured_mbit": measured}
+        return
+    print(f"delay line at {rate} Mbit/s, {rtt:g} ms RTT, {ranks} ranks", flush=True)
+    with delay_link(rate, rtt, ranks) as link:
+        measured_rtt = measure_rtt(link)
+        measured = measure_rate(link, megabytes=max(4, min(64, rate // 8)))
+        burst = {}
+        for enabled in (True, False):  # the kernel's default first; the runs go without it
+            set_slow_start_after_idle(link, enabled)
+            burst["slow_start" if enabled else "kept_window"] = measure_burst(link, port=29650 + enabled)
+        print(
+            f"  measured {measured:.1f} Mbit/s, {measured_rtt:.2f} ms round trip; 4 MB after 0.5 s idle: "
+            f"{burst['slow_start']:.0f} ms, {burst['kept_window']:.0f} ms keeping the window",
+            flush=True,
+        )
+        yield link, {"ranks": ranks, "rate_mbit": rate, "rtt_ms": rtt, "measured_mbit": measured,
+                     "measured_rtt_ms": measured_rtt, "burst_ms": burst}  # fmt: skip
+
+
+def run_links(args: argparse.Namespace, links: Sequence[tuple[int, float | None]], report: dict[str, Any]) -> None:
+    """Every method on every link (rate, RTT or None for tbf) and rank count; the runs go into ``report``."""
     report["runs"] = []
     for ranks in args.ranks:
         for rate, rtt in links:
-            print(f"delay line at {rate} Mbit/s, {rtt:g} ms RTT, {ranks} ranks", flush=True)
-            with delay_link(rate, rtt, ranks) as link:
-                measured_rtt = measure_rtt(link)
-                measured = measure_rate(link, megabytes=max(4, min(64, rate // 8)))
-                burst = {}
-                for enabled in (True, False):  # the kernel's default first; the runs go without it
-                    set_slow_start_after_idle(link, enabled)
-                    burst["slow_start" if enabled else "kept_window"] = measure_burst(link, port=29650 + enabled)
-                print(
-                    f"  measured {measured:.1f} Mbit/s, {measured_rtt:.2f} ms round trip; 4 MB after 0.5 s idle: "
-                    f"{burst['slow_start']:.0f} ms, {burst['kept_window']:.0f} ms keeping the window",
-                    flush=True,
-                )
-                results = run_rate(link, args, args.out)
-            report["runs"].append(
-                {
-                    "ranks": ranks,
-                    "rate_mbit": rate,
-                    "rtt_ms": rtt,
-                    "measured_mbit": measured,
-                    "measured_rtt_ms": measured_rtt,
-                    "burst_ms": burst,
-                    "results": results,
-                }
-            )
+            with measured_link(ranks, rate, rtt) as (link, run):
+                run["results"] = run_rate(link, args, args.out)
+            report["runs"].append(run)
+
+
+def run_latency(args: argparse.Namespace, links: list[tuple[int, float]], report: dict[str, Any]) -> None:
+    """Every method over the delay line, for every rank count and (rate, RTT), with issue 14's target."""
+    run_links(args, links, report)
     report["checks"] = latency_checks(report["runs"])
 
 
@@ -880,7 +886,8 @@ def adaptive_checks(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             adloco, adloco_t = _fastest(run["results"], [adloco_name(codec, h) for h in ADLOCO_H])
             diloco, diloco_t = _fastest(run["results"], [diloco_name(codec, h) for h in DILOCO_H])
             ratio = adloco_t / diloco_t if adloco_t and diloco_t else None
-            checks.append({"ranks": run["ranks"], "rate_mbit": run["rate_mbit"], "codec": codec,
+            checks.append({"ranks": run["ranks"], "rate_mbit": run["rate_mbit"], "rtt_ms": run.get("rtt_ms"),
+                           "codec": codec,
                            "adloco": adloco, "adloco_seconds": adloco_t, "diloco": diloco,
                            "diloco_seconds": diloco_t, "ratio": ratio,
                            "met": ratio is not None and ratio <= TARGET_VS_BEST_DILOCO})  # fmt: skip
@@ -898,14 +905,36 @@ def _check_figure(check: dict[str, Any]) -> str:
     )
 
 
+def _link_name(run: dict[str, Any]) -> str:
+    """``2 ranks, 100 Mbit/s`` on a tbf link, ``2 ranks, 100 Mbit/s, 50 ms RTT`` on the delay line."""
+    rtt = run.get("rtt_ms")
+    return f"{run['ranks']} ranks, {run['rate_mbit']} Mbit/s" + ("" if rtt is None else f", {rtt:g} ms RTT")
+
+
+def _link_title(run: dict[str, Any]) -> str:
+    """A table's title: the link and what was measured on it."""
+    measured = f"{run['measured_mbit']:.0f} Mbit/s"
+    if run.get("rtt_ms") is not None:
+        measured += f" and {run['measured_rtt_ms']:.1f} ms rank 0 → rank 1"
+    return f"{_link_name(run)} (measured {measured})"
+
+
+def _corpus_text(report: dict[str, Any]) -> str:
+    corpus = report.get("corpus")
+    if corpus is None:
+        return ""
+    return (
+        f" Corpus: {corpus['corpus']} of Python {corpus['python']} ({corpus['files']:,} files, "
+        f"{corpus['characters'] / 1e6:.1f} M characters), the last 1 % for validation."
+    )
+
+
 def adaptive_markdown(report: dict[str, Any]) -> str:
-    """The AdLoCo section of docs/link-and-peers.md: one table per (ranks, rate), then the target per run."""
-    head = _stopped_runs_head(report, "tbf links as above.")
-    tables = [
-        rate_table(f"{run['ranks']} ranks, {run['rate_mbit']} Mbit/s (measured {run['measured_mbit']:.0f} Mbit/s)",
-                   run["results"])
-        for run in report["runs"]
-    ]  # fmt: skip
+    """The AdLoCo section of docs/link-and-peers.md: one table per link and rank count, then the target per run."""
+    delayed = any(run.get("rtt_ms") is not None for run in report["runs"])
+    links = "Every link is the delay line." if delayed else "tbf links as above."
+    head = _stopped_runs_head(report, links + _corpus_text(report))
+    tables = [rate_table(_link_title(run), run["results"]) for run in report["runs"]]
     lines = [
         f"Target: AdLoCo's time to DDP's final loss ≤ {TARGET_VS_BEST_DILOCO:g}× that of the best DiLoCo "
         f"(H in {', '.join(map(str, DILOCO_H))}) with the same codec; AdLoCo at H in "
@@ -914,23 +943,34 @@ def adaptive_markdown(report: dict[str, Any]) -> str:
     ]
     for check in report["checks"]:
         verdict = "met" if check["met"] else "not met"
-        where = f"{check['ranks']} ranks, {check['rate_mbit']} Mbit/s, {check['codec']}"
-        lines.append(f"- {where}: **{verdict}** ({_check_figure(check)})")
+        lines.append(f"- {_link_name(check)}, {check['codec']}: **{verdict}** ({_check_figure(check)})")
     return "\n\n".join([head, *tables, "\n".join(lines)])
 
 
-def run_adaptive(args: argparse.Namespace, rates: list[int], report: dict[str, Any]) -> None:
-    """DDP, DiLoCo at every H with and without fp4, and AdLoCo with both, for every rank count and rate."""
-    report["runs"] = []
-    for ranks in args.ranks:
-        for rate in rates:
-            print(f"link at {rate} Mbit/s, {ranks} ranks", flush=True)
-            with namespace_link(rate, ranks) as link:
-                measured = measure_rate(link, megabytes=max(4, min(64, rate // 8)))
-                print(f"  measured {measured:.1f} Mbit/s", flush=True)
-                results = run_rate(link, args, args.out)
-            report["runs"].append({"ranks": ranks, "rate_mbit": rate, "measured_mbit": measured, "results": results})
+def run_adaptive(args: argparse.Namespace, links: list[tuple[int, float | None]], report: dict[str, Any]) -> None:
+    """DDP, DiLoCo at every H with and without fp4, and AdLoCo with both, on every link and rank count."""
+    run_links(args, links, report)
     report["checks"] = adaptive_checks(report["runs"])
+
+
+def outputs(adaptive: bool, delayed: bool, corpus: str | None) -> tuple[Path, tuple[str, str]]:
+    """Default results file and doc markers of a comparison: the tbf or delay-line tables, AdLoCo's, per corpus."""
+    if adaptive:
+        stem, tag = "link_adloco" + ("_latency" if delayed else ""), "link-adloco" + ("-latency" if delayed else "")
+    else:
+        stem, tag = ("latency", "latency") if delayed else ("link", "link")
+    if corpus is not None:
+        stem, tag = f"{stem}_{corpus}", f"{tag}-{corpus}"
+    return RESULTS.with_name(f"{stem}.json"), (f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->")
+
+
+def corpus_overrides(corpus: str) -> tuple[list[str], dict[str, Any]]:
+    """The data overrides of every run on ``corpus``, and what the corpus holds (for the report)."""
+    import python_corpus
+
+    path, info = python_corpus.build()
+    # As in the suite: 1 % of 30 MB is still three times Tiny Shakespeare's validation split.
+    return [f"data.dataset={path}", "data.val_fraction=0.01"], info
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -944,7 +984,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run-to-budget", action="store_true", help="do not stop a method at the target")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--job-timeout", type=float, default=1800.0, help="seconds before a job is killed")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "link", help="run directories and logs")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="run directories and logs")
     parser.add_argument("--json", type=Path, default=RESULTS, help="results file (default benchmarks/results/)")
     parser.add_argument("--write", action="store_true", help="put the tables into --doc between the link markers")
     parser.add_argument("--doc", type=Path, default=DOC, help="default docs/link-and-peers.md")
@@ -953,6 +993,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--adaptive",
         action="store_true",
         help="issue 16's comparison: AdLoCo against DiLoCo at every H, fp32 and fp4, for each of --ranks",
+    )
+    parser.add_argument(
+        "--corpus",
+        choices=["python"],
+        help="train on another corpus than Tiny Shakespeare: 'python' is the standard library's .py sources "
+        "(benchmarks/python_corpus.py); results, doc section and run folder get a suffix",
     )
     parser.add_argument("extra", nargs="*", help="further overrides for every run")
     args = parser.parse_args(argv)
@@ -976,18 +1022,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         links = parse_links(args.links) if args.links else None
     except ValueError as error:
         parser.error(str(error))
-    if args.adaptive and links is not None:
-        parser.error("--adaptive runs on the tbf links of --rates, not with --links")
     if not all(2 <= r <= 8 for r in args.ranks) or (links is None and not args.adaptive and len(args.ranks) != 1):
         parser.error(f"--ranks must be between 2 and 8 (a list only with --links or --adaptive), got {args.ranks}")
-    if links is not None:
-        args.json = LATENCY_RESULTS if args.json == RESULTS else args.json
-        markers = (LATENCY_BEGIN, LATENCY_END)
-    elif args.adaptive:
-        args.json = ADAPTIVE_RESULTS if args.json == RESULTS else args.json
-        markers = (ADAPTIVE_BEGIN, ADAPTIVE_END)
-    else:
-        markers = (BEGIN, END)
+    default_json, markers = outputs(args.adaptive, links is not None, args.corpus)
+    args.json = default_json if args.json == RESULTS else args.json
+    if args.corpus is not None and args.out == DEFAULT_OUT:
+        args.out = DEFAULT_OUT.with_name(f"link-{args.corpus}")  # --reuse must not take a run on another corpus
     if args.tokens <= 0 or args.budget_factor < 1:
         parser.error("--tokens must be positive and --budget-factor at least 1")
     if args.write and not (args.doc.exists() and all(m in args.doc.read_text() for m in markers)):
@@ -1015,11 +1055,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "other_tokens": int(args.tokens * args.budget_factor),
         "run_to_budget": args.run_to_budget,
     }
+    if args.corpus is not None:
+        corpus_path, report["corpus"] = corpus_overrides(args.corpus)
+        args.extra = [*corpus_path, *args.extra]
+    if args.adaptive:
+        specs = links if links is not None else [(rate, None) for rate in rates]
+        return _measure_and_publish(lambda: run_adaptive(args, specs, report), adaptive_markdown, args, report, markers)
     if links is not None:
         return _measure_and_publish(lambda: run_latency(args, links, report), latency_markdown, args, report, markers)
     report["tbf"] = {"burst": {str(r): burst_for(r) for r in rates}, "latency": TBF_LATENCY}
-    if args.adaptive:
-        return _measure_and_publish(lambda: run_adaptive(args, rates, report), adaptive_markdown, args, report, markers)
     return _measure_and_publish(lambda: run_rates(args, rates, report), markdown, args, report, markers)
 
 
@@ -1027,12 +1071,9 @@ def run_rates(args: argparse.Namespace, rates: list[int], report: dict[str, Any]
     """Every method at every rate on one rank count; the issue-6 targets at TARGET_RATE."""
     report["rates"] = {}
     for rate in rates:
-        print(f"link at {rate} Mbit/s, {args.ranks[0]} ranks", flush=True)
-        with namespace_link(rate, args.ranks[0]) as link:
-            measured = measure_rate(link, megabytes=max(4, min(64, rate // 8)))
-            print(f"  measured {measured:.1f} Mbit/s", flush=True)
+        with measured_link(args.ranks[0], rate, None) as (link, run):
             results = run_rate(link, args, args.out)
-        report["rates"][str(rate)] = {"measured_mbit": measured, "results": results}
+        report["rates"][str(rate)] = {"measured_mbit": run["measured_mbit"], "results": results}
     if str(TARGET_RATE) in report["rates"]:
         report["targets"] = target_checks(report["rates"][str(TARGET_RATE)]["results"])
 

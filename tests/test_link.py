@@ -262,3 +262,40 @@ def test_every_adaptive_method_has_its_overrides():
     assert "sync_every=50" in link.method_overrides("diloco-fp4-h50", 2)
     assert "codec.name=fp4-e2m1" in link.method_overrides("adloco-1t-fp4", 2)
     assert link.method_overrides("adloco-1t-h50", 2)[-1] == "sync_every=50"
+
+
+def test_each_comparison_has_its_own_results_file_and_doc_section():
+    assert link.outputs(False, False, None) == (link.RESULTS, (link.BEGIN, link.END))
+    assert link.outputs(False, True, None)[0].name == "latency.json"
+    json_path, markers = link.outputs(True, True, "python")
+    assert json_path.name == "link_adloco_latency_python.json"
+    assert markers == ("<!-- link-adloco-latency-python:begin -->", "<!-- link-adloco-latency-python:end -->")
+    assert link.outputs(True, False, None)[1][0] == "<!-- link-adloco:begin -->"
+
+
+def test_adaptive_over_the_delay_line_writes_to_its_own_section(tmp_path, capsys):
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"{link.BEGIN}\n{link.END}\n")  # the tbf section only
+    with pytest.raises(SystemExit) as exit_info:
+        link.main(["--adaptive", "--links", "100@50", "--write", "--doc", str(doc)])
+    assert exit_info.value.code == 2
+    assert "has no <!-- link-adloco-latency:begin -->" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        link.main(["--adaptive", "--corpus", "shakespeare"])
+    assert "invalid choice: 'shakespeare'" in capsys.readouterr().err
+
+
+def test_adaptive_tables_and_checks_name_the_round_trip_on_the_delay_line():
+    delayed = _adaptive_run(2, 100, {"diloco-h10": 50.0, "adloco-1t": 30.0})
+    delayed.update(rtt_ms=50.0, measured_rtt_ms=51.2)
+    checks = link.adaptive_checks([delayed])
+    assert checks[0]["rtt_ms"] == 50.0 and checks[0]["met"]
+    versions = {"adloco": "0", "torch": "t", "python": "p"}
+    corpus = {"corpus": "Python standard library .py sources", "python": "3.11.7", "files": 1758,
+              "characters": 31_500_000}  # fmt: skip
+    report = {"date": "d", "command": "c", "versions": versions, "machine": "m", "seed": 0, "ddp_tokens": 10,
+              "other_tokens": 20, "runs": [delayed], "checks": checks, "corpus": corpus}  # fmt: skip
+    text = link.adaptive_markdown(report)
+    assert "**2 ranks, 100 Mbit/s, 50 ms RTT (measured 95 Mbit/s and 51.2 ms rank 0 → rank 1)**" in text
+    assert "- 2 ranks, 100 Mbit/s, 50 ms RTT, fp32: **met** (adloco-1t 30.0 s against diloco-h10 50.0 s: 0.60×)" in text
+    assert "Every link is the delay line. Corpus: Python standard library .py sources of Python 3.11.7" in text

@@ -238,6 +238,48 @@ def _time_targets(name: str, adloco: dict, diloco: dict, row: Callable[[str, str
     )
 
 
+def _link_adloco_targets(results: list[str], row: Callable[[str, str, bool], None]) -> None:
+    """The link target of the time-aware controller, per link and codec, from benchmarks/link.py --adaptive."""
+    for check in (c for name in results for c in (_load(name) or {}).get("checks") or []):
+        rtt = "" if check.get("rtt_ms") is None else f" ({check['rtt_ms']:g} ms RTT)"
+        row(
+            f"{check['ranks']} ranks, {check['rate_mbit']} Mbit/s link{rtt}, {check['codec']}: AdLoCo reaches "
+            "DDP's final loss in ≤ 0.67× the time of DiLoCo at its best H",
+            "target loss not reached" if check["ratio"] is None else f"{check['ratio']:.2f}×",
+            bool(check["met"]),
+        )
+
+
+def _elastic_and_sharding() -> list[str]:
+    """One line each for the elastic job and the sharded workers, from their stored results."""
+    lines = []
+    elastic = _load("elastic")
+    if elastic is not None:
+        lines.append(
+            "- [distributed.md](distributed.md#a-job-that-changes-size-elastictrue): an elastic torchrun job that "
+            f"loses an agent resumes with {elastic['workers_after']} workers instead of "
+            f"{elastic['workers_before']}, {elastic['seconds_to_resume']:.1f} s after the kill, from round "
+            f"{elastic['resumed_from_round']} (`python benchmarks/elastic.py`; `results/elastic.json`)."
+        )
+    sharding = _load("sharding")
+    if sharding is not None:
+        whole, split = (next(r for r in sharding["runs"] if r["shards"] == s) for s in (1, 2))
+        # Rank r of the sharded run holds a shard of worker r // 2; compare it with that worker's unsharded rank.
+        peaks = whole["peak_above_baseline_mib"]
+        ratios = [p / peaks[r // 2] for r, p in enumerate(split["peak_above_baseline_mib"])]
+        lines.append(
+            "- [distributed.md](distributed.md#memory-per-rank): sharded workers (`shards=2`) against unsharded "
+            f"ones, 2 workers of the `{sharding['preset']}` preset: "
+            f"{split['wire_bytes_per_round'][0] / 1e6:.1f} MB per rank per round against "
+            f"{whole['wire_bytes_per_round'][0] / 1e6:.1f} MB, {min(ratios):.2f} to {max(ratios):.2f}× the peak "
+            f"memory of its worker's unsharded rank above the process floor, final val loss "
+            f"{split['val_loss']:.4f} against "
+            f"{whole['val_loss']:.4f} (`python benchmarks/sharding.py --preset {sharding['preset']} --context "
+            f"{sharding['context']} --write`; `results/sharding.json`)."
+        )
+    return lines
+
+
 def _targets(anchor: dict, overhead_result: dict | None) -> list[str]:
     runs = anchor["runs"]
     single, ddp, diloco, fp4 = (runs[k] for k in ("single worker", "DDP", "DiLoCo", "Streaming fp4"))
@@ -282,13 +324,7 @@ def _targets(anchor: dict, overhead_result: dict | None) -> list[str]:
                     "target loss not reached" if ratio is None else f"{ratio:.2f}×",
                     bool(check[f"vs_{other}_met"]),
                 )
-    for check in (_load("link_adloco") or {}).get("checks") or []:
-        row(
-            f"{check['ranks']} ranks, {check['rate_mbit']} Mbit/s link, {check['codec']}: AdLoCo reaches DDP's "
-            "final loss in ≤ 0.67× the time of DiLoCo at its best H",
-            "target loss not reached" if check["ratio"] is None else f"{check['ratio']:.2f}×",
-            bool(check["met"]),
-        )
+    _link_adloco_targets(["link_adloco", "link_adloco_latency"], row)
     peer = _load("peer_torchft")
     if peer is not None:
         ratio = peer["median_ratio"]
@@ -305,6 +341,7 @@ def _second_corpus(result: dict) -> list[str]:
 
     for name, adloco in ((k, r) for k, r in runs.items() if k.startswith("AdLoCo")):
         _time_targets(name, adloco, runs["DiLoCo"], row)
+    _link_adloco_targets(["link_adloco_python"], row)
     return [
         "## Second corpus: the Python standard library",
         "",
@@ -486,6 +523,7 @@ def report() -> str:
         "are in the table above.",
         "- [estimate.md](estimate.md): `adloco estimate` against measured rounds (`python benchmarks/estimate.py`).",
         "- [reliability.md](reliability.md): fuzzed input and kill -9 trials (`python benchmarks/reliability.py`).",
+        *_elastic_and_sharding(),
         "- [reproduction.md](reproduction.md): the paper's claims against these measurements.",
         "",
     ]

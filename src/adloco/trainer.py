@@ -15,7 +15,7 @@ from adloco.algorithms.batch_tests import (
     GradientStatistics,
     statistics_from_gram,
 )
-from adloco.algorithms.controller import TimeAwareController, TimedDecision, noise_scale
+from adloco.algorithms.controller import TimeAwareController, TimedDecision, resolvable_noise_scale
 from adloco.algorithms.outer import OuterOptimizer
 from adloco.algorithms.schedules import BatchCoupling
 from adloco.checkpoint import CheckpointError
@@ -118,9 +118,10 @@ class Trainer:
         if self.timed is None or pace is None:
             self.batch_size = decision.b_req
             return decision
-        noise = noise_scale(decision.sample_variance, decision.grad_norm_sq)
+        workers = len(self.worker_ids)
+        noise = resolvable_noise_scale(decision.sample_variance, decision.grad_norm_sq, workers * self.batch_size)
         timed = self.timed.decide(
-            noise, len(self.worker_ids), self.batch_size, pace.cost, pace.round_seconds, pace.sync_every, pace.limit
+            noise, workers, self.batch_size, pace.cost, pace.round_seconds, pace.sync_every, pace.limit
         )
         self.batch_size, self.last_timed = timed.b_req, timed
         return decision

@@ -57,6 +57,18 @@ def noise_scale(sample_variance: float, grad_norm_sq: float) -> float:
     return max(sample_variance, 0.0) / grad_norm_sq
 
 
+def resolvable_noise_scale(sample_variance: float, grad_norm_sq: float, samples: int) -> float:
+    """B_simple as far as statistics measured on ``samples`` samples can tell it.
+
+    A non-positive ‖∇F‖² estimate says only that the gradient was lost in the noise of those samples: the noise
+    scale is at least about ``samples``, not infinite. Read as infinite, it would aim b at its ceiling on one
+    noisy round; read as ``samples``, b grows only while the step's fixed cost and the round's exchange make a
+    larger batch cheaper per unit of progress.
+    """
+    noise = noise_scale(sample_variance, grad_norm_sq)
+    return float(samples) if math.isinf(noise) else noise
+
+
 def seconds_per_progress(b: int, workers: int, noise: float, cost: StepCost, round_seconds: float, h: int) -> float:
     """Predicted time per unit of progress at per-worker batch b (up to the constant S_min)."""
     return (1.0 + noise / (workers * b)) * (cost.at(b) + round_seconds / h)

@@ -587,7 +587,7 @@ def run_rate(link: Link, args: argparse.Namespace, root: Path) -> dict[str, Any]
         target = results["ddp"]["val_loss"] if method != "ddp" else None
         metrics = root / name / "metrics.jsonl"
         tail = MetricsTail(metrics)
-        old = _read(metrics) if args.reuse and metrics.exists() and _same_run(root / name, tokens, args.seed) else []
+        old = _read(metrics) if args.reuse and metrics.exists() and _same_run(root / name, settings) else []
         reuse = any(r["kind"] == "final" for r in old) or (
             target is not None and time_to_target(old, target) is not None
         )
@@ -624,15 +624,19 @@ def run_rate(link: Link, args: argparse.Namespace, root: Path) -> dict[str, Any]
     return results
 
 
-def _same_run(run_dir: Path, tokens: int, seed: int) -> bool:
-    """Whether a run left in ``run_dir`` had this budget and seed (--reuse must not mix budgets)."""
+def _same_run(run_dir: Path, settings: list[str]) -> bool:
+    """Whether a run left in ``run_dir`` had these settings' budget, seed and corpus (--reuse must not mix them)."""
     import yaml
+
+    from adloco import build_config
 
     path = run_dir / "config.yaml"
     if not path.exists():
         return False
-    config = yaml.safe_load(path.read_text()) or {}
-    return config.get("total_tokens") == tokens and config.get("seed") == seed
+    old = yaml.safe_load(path.read_text()) or {}
+    new = build_config(overrides=settings)
+    same_data = (old.get("data") or {}).get("dataset") == new.data.dataset
+    return old.get("total_tokens") == new.total_tokens and old.get("seed") == new.seed and same_data
 
 
 def target_checks(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -975,7 +979,7 @@ def corpus_overrides(corpus: str) -> tuple[list[str], dict[str, Any]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="100,1000", help="link rates in Mbit/s, comma-separated")
+    parser.add_argument("--rates", help="link rates in Mbit/s, comma-separated (default 100,1000; not with --links)")
     parser.add_argument("--ranks", default="2", help="ranks, one namespace each (2-4 sensible); a list with --links")
     parser.add_argument("--links", help="RATE@RTT list (Mbit/s @ ms), e.g. 100@0,100@50: the delay line, not tbf")
     parser.add_argument("--tokens", type=int, default=256_000, help="DDP's training tokens (default 256000)")
@@ -1008,6 +1012,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         parser.error(f"unknown method {unknown[0]!r} (choose from {', '.join(METHODS)})")
+    if args.rates is not None and args.links:
+        parser.error("--rates and --links exclude each other: --links gives each link's rate")
+    args.rates = args.rates or "100,1000"
     try:
         rates = [int(r) for r in args.rates.split(",")]
     except ValueError:
@@ -1058,12 +1065,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.corpus is not None:
         corpus_path, report["corpus"] = corpus_overrides(args.corpus)
         args.extra = [*corpus_path, *args.extra]
+    if links is None:
+        report["tbf"] = {"burst": {str(r): burst_for(r) for r in rates}, "latency": TBF_LATENCY}
     if args.adaptive:
         specs = links if links is not None else [(rate, None) for rate in rates]
         return _measure_and_publish(lambda: run_adaptive(args, specs, report), adaptive_markdown, args, report, markers)
     if links is not None:
         return _measure_and_publish(lambda: run_latency(args, links, report), latency_markdown, args, report, markers)
-    report["tbf"] = {"burst": {str(r): burst_for(r) for r in rates}, "latency": TBF_LATENCY}
     return _measure_and_publish(lambda: run_rates(args, rates, report), markdown, args, report, markers)
 
 

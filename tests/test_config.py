@@ -138,3 +138,12 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default():
 def test_sharded_workers_write_sharded_checkpoints_unless_told_otherwise():
     assert build_config(overrides=["shards=2"]).checkpoint.format == "sharded"
     assert build_config().checkpoint.format == "file"
+
+
+def test_a_config_path_that_cannot_be_opened_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot be read: embedded null byte"):
+        load_config("a\x00b.yaml")  # found by the command-line fuzzer: a ValueError, not an OSError
+    undecodable = tmp_path / "latin1.yaml"
+    undecodable.write_bytes(b"seed: 1 # caf\xe9\n")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(undecodable)

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -299,3 +300,63 @@ def test_adaptive_tables_and_checks_name_the_round_trip_on_the_delay_line():
     assert "**2 ranks, 100 Mbit/s, 50 ms RTT (measured 95 Mbit/s and 51.2 ms rank 0 → rank 1)**" in text
     assert "- 2 ranks, 100 Mbit/s, 50 ms RTT, fp32: **met** (adloco-1t 30.0 s against diloco-h10 50.0 s: 0.60×)" in text
     assert "Every link is the delay line. Corpus: Python standard library .py sources of Python 3.11.7" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "kind"),
+    [
+        (["--adaptive", "--links", "100@50"], "adaptive-delay"),
+        (["--adaptive", "--rates", "100"], "adaptive-tbf"),
+        (["--links", "100@0"], "latency"),
+        (["--rates", "100"], "tbf"),
+    ],
+)
+def test_each_mode_runs_its_methods_on_its_links_and_writes_its_own_file(monkeypatch, tmp_path, argv, kind):
+    opened = []
+
+    @contextmanager
+    def fake_link(ranks, rate, rtt):
+        opened.append((ranks, rate, rtt))
+        run = {"ranks": ranks, "rate_mbit": rate, "rtt_ms": rtt, "measured_mbit": rate * 0.9}
+        if rtt is not None:
+            run.update(measured_rtt_ms=rtt + 0.5, burst_ms={"slow_start": 400.0, "kept_window": 100.0})
+        yield object(), run
+
+    def fake_rate(link_, args, root):
+        results = {m: _adaptive_result(10.0) for m in args.methods}
+        results["ddp"]["val_loss"] = 2.0
+        return results
+
+    monkeypatch.setattr(link, "netns_unavailable", lambda: None)
+    monkeypatch.setattr(link, "measured_link", fake_link)
+    monkeypatch.setattr(link, "run_rate", fake_rate)
+    out = tmp_path / "results.json"
+    assert link.main([*argv, "--json", str(out), "--out", str(tmp_path / "runs")]) == 0
+    report = json.loads(out.read_text())
+    rtt = 50.0 if kind == "adaptive-delay" else 0.0 if kind == "latency" else None
+    assert opened == [(2, 100, rtt)]
+    assert ("tbf" in report) == (rtt is None)
+    if kind.startswith("adaptive"):
+        assert {c["codec"] for c in report["checks"]} == {"fp32", "fp4"} and report["runs"][0]["rtt_ms"] == rtt
+        assert "adloco-1t-h50" in report["runs"][0]["results"]
+    elif kind == "latency":
+        assert report["runs"][0]["measured_rtt_ms"] == 0.5 and "checks" in report
+    else:
+        assert set(report["rates"]) == {"100"} and "targets" in report
+
+
+def test_rates_and_links_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        link.main(["--adaptive", "--links", "100@50", "--rates", "100"])
+    assert exit_info.value.code == 2 and "--rates and --links exclude each other" in capsys.readouterr().err
+
+
+def test_reuse_takes_a_run_only_with_the_same_budget_seed_and_corpus(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text\n" * 100)
+    (run_dir / "config.yaml").write_text("total_tokens: 1000\nseed: 0\ndata:\n  dataset: tinyshakespeare\n")
+    assert link._same_run(run_dir, ["total_tokens=1000", "seed=0"])
+    assert not link._same_run(run_dir, ["total_tokens=2000", "seed=0"])
+    assert not link._same_run(run_dir, ["total_tokens=1000", "seed=0", f"data.dataset={corpus}"])

@@ -720,8 +720,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ConfigError(f"config file '{path}' does not exist") from None
-        except (OSError, UnicodeDecodeError) as error:
-            raise ConfigError(f"config file '{path}' cannot be read: {error}") from None
+        except (OSError, ValueError) as error:  # ValueError: undecodable bytes, or a NUL in the path
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {error}") from None
         try:
             loaded = _load_yaml(text)
         except yaml.YAMLError as error:

@@ -119,7 +119,10 @@ class Trainer:
             self.batch_size = decision.b_req
             return decision
         workers = len(self.worker_ids)
-        noise = resolvable_noise_scale(decision.sample_variance, decision.grad_norm_sq, workers * self.batch_size)
+        # An EMA of weight e averages the statistics of about (1 + e) / (1 - e) rounds (its variance shrinks so).
+        rounds = (1.0 + self.controller.ema) / (1.0 - self.controller.ema)
+        samples = workers * self.batch_size * rounds
+        noise = resolvable_noise_scale(decision.sample_variance, decision.grad_norm_sq, samples)
         timed = self.timed.decide(
             noise, workers, self.batch_size, pace.cost, pace.round_seconds, pace.sync_every, pace.limit
         )

@@ -57,16 +57,16 @@ def noise_scale(sample_variance: float, grad_norm_sq: float) -> float:
     return max(sample_variance, 0.0) / grad_norm_sq
 
 
-def resolvable_noise_scale(sample_variance: float, grad_norm_sq: float, samples: int) -> float:
-    """B_simple as far as statistics measured on ``samples`` samples can tell it.
+def resolvable_noise_scale(sample_variance: float, grad_norm_sq: float, samples: float) -> float:
+    """B_simple = tr Σ / ‖∇F‖², at most ``samples``, the samples the statistics were measured on.
 
-    A non-positive ‖∇F‖² estimate says only that the gradient was lost in the noise of those samples: the noise
-    scale is at least about ``samples``, not infinite. Read as infinite, it would aim b at its ceiling on one
-    noisy round; read as ``samples``, b grows only while the step's fixed cost and the round's exchange make a
-    larger batch cheaper per unit of progress.
+    An estimate of ‖∇F‖² from n samples is uncertain by about σ²/n, so a noise scale beyond n cannot be told from
+    a larger one, and a non-positive estimate says only that the gradient was lost in the noise. Such a noise
+    scale reads as n, not as infinite: read as infinite (or as σ² over a tiny positive estimate), one noisy round
+    aimed b at its ceiling. With the noise scale at n, b grows only while the step's fixed cost and the round's
+    exchange make a larger batch cheaper per unit of progress.
     """
-    noise = noise_scale(sample_variance, grad_norm_sq)
-    return float(samples) if math.isinf(noise) else noise
+    return min(noise_scale(sample_variance, grad_norm_sq), float(samples))
 
 
 def seconds_per_progress(b: int, workers: int, noise: float, cost: StepCost, round_seconds: float, h: int) -> float:

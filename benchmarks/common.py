@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 import adloco
+from adloco.config_input import layered
 
 ROOT = Path(__file__).resolve().parents[1]
 ANCHOR_TOKENS = 1_536_000
@@ -43,7 +44,7 @@ def describe(env: dict) -> str:
 def train_run(name: str, overrides: list[str], root: Path, timeout: float = 3600) -> dict:
     """One real training run in its own process; returns the summary of its metrics.jsonl."""
     args = ["run.progress=false", "run.save_final=false", "run.plots=false", f"run.root={root}", f"run.name={name}"]
-    command = [sys.executable, "-m", "adloco", "train", *overrides, *args]
+    command = [sys.executable, "-m", "adloco", "train", *layered(overrides, args)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(f"run {name} failed: {result.stderr.strip().splitlines()[-1:]}")
@@ -67,14 +68,14 @@ def summarise(metrics_path: Path, name: str, overrides: list[str]) -> dict:
             curve.append(
                 {
                     "tokens": record["tokens"],
-                    "round": record["round"] + 1,
+                    "round": record["round"],
                     "syncs": syncs,
                     "bytes": record["bytes_total"],
                     "seconds": record["seconds"],
                     "val_loss": min(record["val_loss"].values()),
                 }
             )
-    batches = [{"round": r["round"] + 1, "tokens": r["tokens"], "batch": r["batch"]} for r in rounds]
+    batches = [{"round": r["round"], "tokens": r["tokens"], "batch": r["batch"]} for r in rounds]
     val = final["val_loss"][str(final["best_trainer"])]
     return {
         "name": name,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import torch
 
 import adloco
 from adloco.config import ConfigError
+from adloco.config_input import layered
 from adloco.data import DataError
 from adloco.estimate import MIN_CALIBRATION, estimate, load_rounds
 
@@ -48,20 +50,10 @@ FRACTIONS = (0.3, 0.5, 0.75, 1.0)
 
 def train(name: str, overrides: list[str], root: Path, tokens: int, threads: int, extra: list[str]) -> Path:
     """Train one run in a subprocess (its own torch threads) and return its run directory."""
-    command = [
-        sys.executable,
-        "-m",
-        "adloco",
-        "train",
-        *overrides,
-        f"total_tokens={tokens}",
-        f"threads={threads}",
-        "run.progress=false",
-        "run.plots=false",
-        f"run.root={root}",
-        f"run.name={name}",
-        *extra,
-    ]
+    settings = [f"total_tokens={tokens}", f"threads={threads}", "run.progress=false", "run.plots=false"]
+    settings += [f"run.root={root}", f"run.name={name}"]
+    shutil.rmtree(root / name, ignore_errors=True)  # an earlier invocation's run of the same name
+    command = [sys.executable, "-m", "adloco", "train", *layered(overrides, settings, extra)]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return root / name
 

@@ -43,6 +43,8 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+from adloco.config_input import layered
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "link-and-peers.md"
 RESULTS = ROOT / "benchmarks" / "results" / "link.json"
@@ -472,7 +474,7 @@ def launch_job(
             log_files.append(log)
             procs.append(
                 subprocess.Popen(
-                    [*link.exec_prefix(rank), sys.executable, "-m", "adloco", "train", *overrides],
+                    [*link.exec_prefix(rank), sys.executable, "-m", "adloco", "train", *layered(overrides)],
                     env=env,
                     cwd=ROOT,
                     stdout=subprocess.DEVNULL,

@@ -44,6 +44,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ when imported from elsewhere (tests)
 from link import machine, publish  # noqa: E402 - after the path
 
+from adloco.config_input import layered
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "link-and-peers.md"
 RESULTS = ROOT / "benchmarks" / "results" / "peer_torchft.json"
@@ -86,8 +88,8 @@ def overrides_for(tokens: int, sync_every: int, seed: int, extra: list[str] | No
 def run_adloco(overrides: list[str], root: Path, name: str, timeout_s: float) -> dict[str, Any]:
     """adloco's DiLoCo on 2 ranks under torchrun; tokens/s over the training rounds and the final parameters."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1"]
-    command += [f"--master_port={_free_port()}", "-m", "adloco", "train", *overrides]
-    command += [f"run.root={root}", f"run.name={name}"]
+    command += [f"--master_port={_free_port()}", "-m", "adloco", "train"]
+    command += layered(overrides, [f"run.root={root}", f"run.name={name}"])
     done = subprocess.run(command, capture_output=True, text=True, cwd=root, timeout=timeout_s, env=_env())
     if done.returncode != 0:
         raise RuntimeError(f"adloco failed: {done.stderr.strip()[-2000:]}")

@@ -46,6 +46,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from adloco.checkpoint import list_checkpoints  # noqa: E402
+from adloco.config_input import layered  # noqa: E402
 
 # Overrides of the kill -9 trials: tiny LLaMA at context 16, a checkpoint every round, one thread.
 KILL_RUN = [
@@ -76,7 +77,7 @@ def kill_9_trial(
     """Start ``adloco train`` in a subprocess, SIGKILL it ``delay`` s after its first checkpoint, resume it with
     ``--resume`` and compare its final parameters with ``reference`` bit for bit."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "adloco", "train", *overrides, f"run.root={root}", f"run.name={name}"]
+    command = [sys.executable, "-m", "adloco", "train", *layered(overrides, [f"run.root={root}", f"run.name={name}"])]
     started = time.monotonic()
     proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoints = root / name / "checkpoints"
@@ -254,6 +255,59 @@ class Fuzzer:
                 argv = ["--bogus"]
         return "cli", repr(argv)[:120], lambda: main(argv)
 
+    def case_classes(self):
+        """The classes of mistake a new user's audit found: empty values, repeated keys, YAML aliases (bombs and
+        self-references), and shard/rank arithmetic against a torchrun world."""
+        from adloco.cli import main
+        from adloco.config import ConfigError, build_config, load_config
+        from adloco.placement import check_world
+
+        rng = self.rng
+        kind = rng.choice(["empty", "repeated", "aliases", "arithmetic"])
+        never = f"run.root={self.work / 'never'}"
+        if kind == "empty":
+            items = [*self._overrides()[:2], f"{self._key()}=" + rng.choice(["", " ", "\t"])]
+            return "classes", f"empty {items!r}", lambda: main(["train", *items, never])
+        if kind == "repeated":
+            key = self._key()
+            items = [f"{key}={self._value()}", *self._overrides()[:2], f"{key}={self._value()}"]
+            return "classes", f"repeated {items!r}", lambda: main(["train", *items, never, "no_such_key=1"])
+        if kind == "aliases":
+            depth, width = rng.randint(1, 12), rng.randint(1, 12)
+            lines = [f"a0: &a0 [{', '.join(['lol'] * width)}]"]
+            lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]" for i in range(1, depth)]
+            tail = rng.choice([f"data: {{separator: *a{depth - 1}}}", "self: &s [*s]", f"workers: *a{depth - 1}"])
+            path = self._path("aliases.yaml")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n".join([*lines, tail]) + "\n")
+
+            def call():
+                try:
+                    load_config(path)
+                except ConfigError as error:
+                    print(f"adloco: error: {error}"[:400], file=sys.stderr)
+                    return 2
+                return 0
+
+            return "classes", f"aliases depth {depth} width {width}, {tail}", call
+        overrides = [
+            f"workers={rng.randint(1, 9)}",
+            f"shards={rng.randint(1, 4)}",
+            f"elastic={rng.choice(['true', 'false'])}",
+        ]
+        overrides += [f"slots_per_rank={rng.randint(1, 4)}"] if rng.random() < 0.3 else []
+        world, torchrun = rng.randint(1, 12), rng.random() < 0.8
+
+        def arithmetic():
+            try:
+                check_world(build_config(overrides=overrides), world if torchrun else 1, torchrun)
+            except ConfigError as error:
+                print(f"adloco: error: {error}", file=sys.stderr)
+                return 2
+            return 0
+
+        return "classes", f"{overrides!r} on {world if torchrun else 1} rank(s)", arithmetic
+
     def case_data(self):
         from adloco.cli import main
 
@@ -303,7 +357,7 @@ class Fuzzer:
 
 def fuzz(inputs: int, seed: int, subprocess_sample: int, work: Path) -> dict[str, Any]:
     fuzzer = Fuzzer(seed, work)
-    families = [fuzzer.case_config, fuzzer.case_cli, fuzzer.case_data, fuzzer.case_checkpoint]
+    families = [fuzzer.case_config, fuzzer.case_cli, fuzzer.case_classes, fuzzer.case_data, fuzzer.case_checkpoint]
     counts: dict[str, dict[str, int]] = {}
     tracebacks: list[dict[str, str]] = []
     cases = []
@@ -339,6 +393,13 @@ def fuzz(inputs: int, seed: int, subprocess_sample: int, work: Path) -> dict[str
         ["sample", str(fuzzer.good), "--tokens", "1000000000000"],
         ["train", "--resume", str(fuzzer.good), "workers=1"],
         ["train", "workers=100000", "model.preset=small", f"run.root={work / 'never'}"],
+        # What a new user's audit tried:
+        ["train", "workers="],
+        ["train", "workers=2", "workers=3"],
+        ["train", "shards=2", f"run.root={work / 'never'}"],
+        ["train", "workers", "4"],
+        ["train", "run.name=good", f"run.root={work}"],
+        ["plot", str(fuzzer.broken["metrics-binary"])],
     ]
     for index in range(subprocess_sample):
         if index < len(commands):

@@ -1,5 +1,7 @@
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -43,6 +45,16 @@ def fast_overrides(tmp_path):
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     """The exported parameters of a finished run."""
     return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
+
+
+def adloco_process(*args: str, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m adloco ARGS`` in a process of its own, as a user at a shell runs it; the ``key=value`` items are
+    laid over each other as a script building its command line would (``layered``)."""
+    from adloco.config_input import layered
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "adloco", *layered(list(args))]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
 
 
 def same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

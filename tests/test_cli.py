@@ -1,19 +1,17 @@
-import os
 import subprocess
 import sys
 
 import pytest
 
+from adloco.cli import main
 from adloco.config import build_config
+from adloco.config_input import layered
 from adloco.training import train
-from tests.conftest import FAST
+from tests.conftest import FAST, adloco_process
 
 
 def _run(*args, cwd=None, timeout=120):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
-        [sys.executable, "-m", "adloco", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env
-    )
+    return adloco_process(*args, cwd=cwd, timeout=timeout)
 
 
 @pytest.mark.parametrize(
@@ -65,3 +63,57 @@ def test_bad_config_and_run_paths_fail_before_torch_is_imported(args):
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert result.stdout.strip() == "False" and result.stderr.startswith("adloco: error: ")
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["train", "workers", "4"],
+            "config file 'workers' does not exist; settings are written key=value, e.g. workers=4",
+        ),
+        (["train", "workers="], "override 'workers=' has no value; give one, or leave the key out for its default"),
+        (["train", "workers=2", "workers=3"], "'workers' is given twice: 'workers=2' and 'workers=3'; give it once"),
+        (["train", "--resume", ""], "--resume needs a run directory, got an empty path"),
+        (["train", "--resume", "a-file"], "'a-file' is a file, not a run directory"),
+    ],
+)
+def test_mistakes_a_new_user_makes_get_a_line_that_says_what_to_do(args, line, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("not a run\n")
+    assert main(args) == 2
+    assert capsys.readouterr().err == f"adloco: error: {line}\n"
+    assert not (tmp_path / "runs").exists()  # nothing started, not even a default run
+
+
+def test_an_existing_run_name_is_refused_rather_than_renamed(tmp_path, capsys):
+    args = ["train", *layered(FAST, ["total_tokens=128", f"run.root={tmp_path}", "run.name=r"])]
+    assert main(args) == 0
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err == f"adloco: error: run directory '{tmp_path / 'r'}' already exists; continue it with --resume " \
+                  f"{tmp_path / 'r'}, or give another run.name\n"  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no r-2 that `adloco eval r` would not read
+
+
+def test_resume_names_an_unknown_key_as_unknown_and_workers_as_an_elastic_setting(tmp_path, capsys):
+    run = train(build_config(overrides=[*FAST, "total_tokens=128", f"run.root={tmp_path}", "run.name=r"])).run_dir
+    assert main(["train", "--resume", str(run), "inner.lrr=1"]) == 2
+    assert capsys.readouterr().err == "adloco: error: unknown key 'inner.lrr'\n"
+    assert main(["train", "--resume", str(run), "workers=3"]) == 2
+    assert "cannot change when a run resumes unless the run was started with elastic=true" in capsys.readouterr().err
+
+
+def test_a_named_run_that_stopped_before_its_first_checkpoint_is_started_over(tmp_path, capsys):
+    args = ["train", *layered(FAST, ["total_tokens=128", f"run.root={tmp_path}", "run.name=r"])]
+    (tmp_path / "r" / "checkpoints").mkdir(parents=True)  # what a start that died in its first round leaves
+    (tmp_path / "r" / "config.yaml").write_text("method: diloco\n")
+    (tmp_path / "r" / "metrics.jsonl").write_text('{"kind": "step", "round": 1}\n')
+    assert main(args) == 0
+    assert f"'{tmp_path / 'r'}' held no checkpoint from an earlier start; starting it over" in capsys.readouterr().err
+    assert (tmp_path / "r" / "final").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    (tmp_path / "notes").mkdir()
+    assert main([*args[:-1], "run.name=notes"]) == 2
+    assert "notes' already exists and is not a run directory" in capsys.readouterr().err

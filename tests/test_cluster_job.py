@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -16,18 +17,16 @@ import yaml
 from adloco.checkpoint import list_checkpoints
 from adloco.cli import main
 from adloco.config import ConfigError, build_config, load_config
+from adloco.config_input import layered
 from adloco.preflight import check_memory, estimate_memory
 from adloco.runs import RUNNING_FILE, lock_run
 from adloco.training import train
 from benchmarks.reliability import final_params
-from tests.conftest import FAST
+from tests.conftest import FAST, adloco_process
 
 
 def _adloco(*args, cwd, timeout=300):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
-        [sys.executable, "-m", "adloco", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env
-    )
+    return adloco_process(*args, cwd=cwd, timeout=timeout)
 
 
 def _cli(capsys, *args, cwd: Path):
@@ -35,7 +34,7 @@ def _cli(capsys, *args, cwd: Path):
     old = Path.cwd()
     os.chdir(cwd)
     try:
-        code = main(list(args))
+        code = main(layered(list(args)))  # a script's defaults with the test's settings laid over them
     finally:
         os.chdir(old)
     captured = capsys.readouterr()
@@ -83,6 +82,27 @@ def test_a_rank_that_cannot_hold_its_workers_is_refused_before_building_them(tmp
     result = _cli(capsys, "train", *FAST, "workers=100000", "model.preset=small", "run.progress=true", cwd=tmp_path)
     _one_line_error(result, "would need at least")
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()  # refused before
+
+
+def test_the_memory_preflight_comes_before_any_model_is_built(tmp_path, capsys, monkeypatch):
+    from adloco import preflight
+    from adloco.tasks import Task
+
+    def built(*_):
+        raise AssertionError("a model was built before the memory preflight")
+
+    monkeypatch.setattr(Task, "build_model", built)
+    monkeypatch.setattr(preflight, "available_memory", lambda: 1 << 20)
+    result = _cli(capsys, "train", *FAST, f"run.root={tmp_path}", cwd=tmp_path)
+    _one_line_error(result, "but 0.0 GiB is available")
+
+
+def test_a_resume_whose_budget_is_spent_says_so(stopped_run, tmp_path, capsys):
+    run = Path(shutil.copytree(stopped_run, tmp_path / "copy"))
+    result = _cli(capsys, "train", "--resume", str(run), "total_tokens=128", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "total_tokens=128 is spent already: the checkpoint holds 256 tokens; nothing is trained" in result.stderr
+    assert "after 256 tokens" in result.stdout
 
 
 def test_a_budget_below_one_step_says_so_and_trains_that_step(tmp_path, capsys):
@@ -180,7 +200,7 @@ def test_resume_with_a_larger_budget_continues_and_records_the_change(stopped_ru
 def test_resume_refuses_a_change_that_does_not_fit_the_checkpoint(stopped_run, tmp_path, capsys):
     before = (stopped_run / "config.yaml").read_text()
     result = _cli(capsys, "train", "--resume", str(stopped_run), "workers=4", cwd=tmp_path)
-    _one_line_error(result, "'workers' cannot change when a run resumes; only total_tokens")
+    _one_line_error(result, "'workers' cannot change when a run resumes unless the run was started with elastic=true")
     # A hand edit of config.yaml (workers 2 -> 1) is caught against the checkpoint's own config.
     (stopped_run / "config.yaml").write_text(before.replace("workers: 2", "workers: 1"))
     try:
@@ -196,7 +216,13 @@ def test_resume_refuses_a_change_that_does_not_fit_the_checkpoint(stopped_run, t
 
 def _start(tmp_path, name, overrides):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-m", "adloco", "train", *overrides, f"run.root={tmp_path}", f"run.name={name}"]
+    command = [
+        sys.executable,
+        "-m",
+        "adloco",
+        "train",
+        *layered(overrides, [f"run.root={tmp_path}", f"run.name={name}"]),
+    ]
     return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -231,7 +257,7 @@ def test_sigterm_checkpoints_at_the_round_end_and_the_resume_is_bit_identical(tm
     assert proc.returncode == 128 + signal.SIGTERM, err
     checkpoints = list_checkpoints(tmp_path / "stopped" / "checkpoints")
     assert len(checkpoints) == 1  # checkpoint.every=1000: this one is the signal's
-    run_dir, round_number = tmp_path / "stopped", int(checkpoints[0].stem.split("_")[1]) + 1
+    run_dir, round_number = tmp_path / "stopped", int(checkpoints[0].stem.split("_")[1])
     assert err.strip().splitlines()[-1] == (
         f"adloco: stopped on SIGTERM: checkpoint of round {round_number} in {run_dir}; "
         f"resume with: adloco train --resume {run_dir}"
@@ -265,6 +291,14 @@ def test_ctrl_c_names_the_newest_checkpoint_or_says_there_is_none(tmp_path):
     last = err.strip().splitlines()[-1]
     assert last.startswith("adloco: interrupted: checkpoint of round ")
     assert last.endswith(f"resume with: adloco train --resume {tmp_path / 'interrupted'}")
+    # One numbering everywhere: the round the message names is the file's, the metrics' and --checkpoint's.
+    named = int(last.removeprefix("adloco: interrupted: checkpoint of round ").split()[0])
+    run_dir = tmp_path / "interrupted"
+    assert list_checkpoints(run_dir / "checkpoints")[-1].name == f"round_{named:06d}.pt"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records if r["kind"] == "round"][:named] == list(range(1, named + 1))
+    flags = ["--samples", "4", "--batch-sizes", "1,2", "--repeats", "4", "--out", str(tmp_path / "g")]
+    assert main(["gradients", str(run_dir), "--checkpoint", str(named), *flags]) == 0
     proc = _start(tmp_path, "early", [*overrides, "checkpoint.every=100000"])
     _wait_for_round(tmp_path / "early" / "metrics.jsonl", proc)
     proc.send_signal(signal.SIGINT)
@@ -320,15 +354,23 @@ def test_quiet_and_verbose(tmp_path, capsys):
     assert "Traceback" not in verbose.stderr
 
 
-def test_a_damaged_newest_checkpoint_is_reported_in_train_log_and_an_older_one_used(tmp_path, capsys):
+def test_a_damaged_newest_checkpoint_is_reported_on_the_console_and_an_older_one_used(tmp_path, capsys):
     overrides = [*FAST, "total_tokens=512", "checkpoint.every=1", f"run.root={tmp_path}", "run.name=d"]
     run = train(build_config(overrides=overrides)).run_dir
-    newest = list_checkpoints(run / "checkpoints")[-1]
-    newest.write_bytes(newest.read_bytes()[:100])
-    result = _cli(capsys, "train", "--resume", str(run), cwd=tmp_path)
+    older, newest = list_checkpoints(run / "checkpoints")[-2:]
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    newest.write_bytes(bytes(data))
+    result = _cli(capsys, "train", "--resume", str(run), "-q", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
+    said = [
+        f"adloco: warning: checkpoint '{newest}' is damaged (checksum mismatch)",
+        f"adloco: resuming from the checkpoint of round {older.stem.split('_')[1].lstrip('0')}, the newest intact "
+        "one; the rounds after it are trained again",
+    ]
+    assert result.stderr.splitlines()[:2] == said  # even with -q: work was lost and a file is damaged
     logged = (run / "train.log").read_text()
-    assert f"checkpoint '{newest}' is damaged" in logged and "using an older checkpoint" in logged
+    assert all(line.removeprefix("adloco: ") in logged for line in said)
 
 
 def test_runs_counts_tokens_as_the_bar_does():

@@ -21,6 +21,7 @@ import adloco.training
 from adloco.checkpoint import MANIFEST, list_checkpoints, read_manifest
 from adloco.cli import main
 from adloco.config import build_config
+from adloco.config_input import layered
 from adloco.metrics import MetricsWriter
 from adloco.training import train
 from tests.conftest import FAST
@@ -44,7 +45,7 @@ def reference(tmp_path_factory, model_path) -> dict[str, torch.Tensor]:
 
 def _cli(argv: list[str], capsys) -> tuple[int, str]:
     capsys.readouterr()
-    code = main(argv)
+    code = main(layered(argv))  # the run's settings with the test's laid over them
     return code, capsys.readouterr().err
 
 
@@ -165,10 +166,24 @@ def test_full_disk_at_a_checkpoint_write(tmp_path, capsys, monkeypatch, model_pa
     monkeypatch.setattr(adloco.checkpoint, "open", fake_open, raising=False)
     code, err = _cli(_args(model_path, tmp_path), capsys)
     assert code == 1
-    _assert_one_line(err, "adloco: error: no space left on device while writing checkpoint", "round_000002.pt")
+    _assert_one_line(err, "adloco: error: no space left on device while writing checkpoint", "round_000003.pt")
+    assert err.endswith(f"; free some space and continue with --resume {tmp_path / 'run'}\n")
     monkeypatch.undo()
-    assert [e["round"] for e in read_manifest(tmp_path / "run" / "checkpoints")] == [0, 1]
+    assert [e["round"] for e in read_manifest(tmp_path / "run" / "checkpoints")] == [1, 2]
     _assert_intact_and_resumable(tmp_path / "run", capsys, reference)
+
+
+def test_full_disk_at_the_first_checkpoint_says_to_start_again(tmp_path, capsys, monkeypatch, model_path):
+    """--resume could not continue a run that has no checkpoint: the line must not advise it."""
+
+    def full(*_, **__):
+        raise _enospc()
+
+    monkeypatch.setattr(adloco.checkpoint, "atomic_write_bytes", full)
+    code, err = _cli(_args(model_path, tmp_path), capsys)
+    assert code == 1
+    _assert_one_line(err, "no space left on device while writing checkpoint", "round_000001.pt")
+    assert err.endswith("; free some space and start the run again (no checkpoint yet)\n")
 
 
 def test_full_disk_at_a_metrics_write(tmp_path, capsys, monkeypatch, model_path, reference):
@@ -203,6 +218,7 @@ def test_full_disk_at_a_metrics_write(tmp_path, capsys, monkeypatch, model_path,
     code, err = _cli(_args(model_path, tmp_path), capsys)
     assert code == 1
     _assert_one_line(err, "adloco: error: no space left on device while writing metrics", "metrics.jsonl")
+    assert err.endswith(f"; free some space and continue with --resume {tmp_path / 'run'}\n")
     monkeypatch.undo()
     _assert_intact_and_resumable(tmp_path / "run", capsys, reference)
 
@@ -255,6 +271,6 @@ def test_real_full_disk_at_a_checkpoint_write(small_tmpfs, capsys, monkeypatch, 
     monkeypatch.undo()
     run_dir = small_tmpfs / "run"
     manifest = json.loads((run_dir / "checkpoints" / MANIFEST).read_text())
-    assert [e["round"] for e in manifest["checkpoints"]] == [0, 1]
+    assert [e["round"] for e in manifest["checkpoints"]] == [1, 2]
     state["filler"].unlink()  # space freed, as a user would
     _assert_intact_and_resumable(run_dir, capsys, reference)

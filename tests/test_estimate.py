@@ -61,7 +61,7 @@ def test_json_and_text_output_on_a_real_run(run_dir, capsys):
     result = json.loads(out)
     assert result["method"] == "diloco" and result["trainer"] == 0 and result["rounds_in_run"] == ROUNDS
     cal = result["calibration"]
-    assert (cal["rounds"], cal["first_round"], cal["last_round"], cal["fit_first_round"]) == (3, 0, 2, 1)
+    assert (cal["rounds"], cal["first_round"], cal["last_round"], cal["fit_first_round"]) == (3, 1, 3, 2)
     assert cal["loss_start"] == pytest.approx(losses[0]) and cal["loss_end"] == pytest.approx(losses[2])
     assert cal["scale"] > 0 and cal["slope"] >= 0 and cal["grad_norm_sq"] > 0 and cal["sample_variance"] > 0
     assert cal["noise_scale"] == pytest.approx(cal["sample_variance"] / cal["grad_norm_sq"])
@@ -69,19 +69,19 @@ def test_json_and_text_output_on_a_real_run(run_dir, capsys):
     pred = result["prediction"]
     assert pred["reachable"] and not pred.get("during_calibration")
     assert isinstance(pred["rounds"], int) and 3 < pred["rounds"] < HORIZON * ROUNDS
-    assert pred["rounds"] == pred["round"] + 1 == 3 + pred["more_rounds"]
+    assert pred["rounds"] == pred["round"] == 3 + pred["more_rounds"]  # rounds are counted from 1
     assert pred["synchronisations"] == pred["rounds"]  # DiLoCo: one exchange a round
     assert pred["tokens"] == 256 * pred["rounds"] and pred["final_batch"] == 2
-    first = next(i for i, loss in enumerate(losses) if loss <= target)
+    first = next(i for i, loss in enumerate(losses, start=1) if loss <= target)
     measured = result["measured"]
-    assert measured == {"round": first, "rounds": first + 1, "tokens": 256 * (first + 1), "synchronisations": first + 1}
-    assert result["relative_error"] == pytest.approx((pred["rounds"] - first - 1) / (first + 1))
+    assert measured == {"round": first, "rounds": first, "tokens": 256 * first, "synchronisations": first}
+    assert result["relative_error"] == pytest.approx((pred["rounds"] - first) / first)
 
     code, out, err = _cli(capsys, str(run_dir), "--target", str(target))
     assert code == 0 and err == ""
     lines = out.splitlines()
     assert lines[0].startswith(f"run {run_dir} (diloco, trainer 0, {ROUNDS} rounds)")
-    assert lines[1].startswith("calibrated on rounds 0-2 (fit on 1-2)") and "kappa" in lines[1]
+    assert lines[1].startswith("calibrated on rounds 1-3 (fit on 2-3)") and "kappa" in lines[1]
     assert lines[2].startswith(f"predicted: loss {target:g} at round {pred['round']} ({pred['rounds']} rounds")
     assert lines[3].startswith(f"measured: loss {target:g} at round {first} ")
     assert lines[4].startswith("relative error in rounds:")
@@ -93,7 +93,7 @@ def test_more_calibration_rounds_and_a_target_the_run_missed(run_dir, capsys):
     code, out, _ = _cli(capsys, str(run_dir), "--target", str(target), "--calibrate-rounds", "6", "--json")
     assert code == 0
     result = json.loads(out)
-    assert result["calibration"]["last_round"] == 5 and result["calibration"]["fit_first_round"] == 3
+    assert result["calibration"]["last_round"] == 6 and result["calibration"]["fit_first_round"] == 4
     assert result["prediction"]["rounds"] > 6 and math.isfinite(result["prediction"]["tokens"])
     assert result["measured"] is None and result["relative_error"] is None
     code, out, _ = _cli(capsys, str(run_dir), "--target", str(target))
@@ -102,17 +102,17 @@ def test_more_calibration_rounds_and_a_target_the_run_missed(run_dir, capsys):
 
 def test_a_target_reached_during_calibration_reports_that_round(run_dir, capsys):
     losses = _losses(run_dir)
-    target = math.ceil(losses[1] * 1e4) / 1e4  # reached at round 1 (or 0), inside the 3 calibration rounds
-    first = next(i for i, loss in enumerate(losses) if loss <= target)
+    target = math.ceil(losses[1] * 1e4) / 1e4  # reached at round 2 (or 1), inside the 3 calibration rounds
+    first = next(i for i, loss in enumerate(losses, start=1) if loss <= target)
     code, out, _ = _cli(capsys, str(run_dir), "--target", str(target), "--json")
     assert code == 0
     result = json.loads(out)
     pred = result["prediction"]
     assert pred["during_calibration"] and pred["reachable"] and pred["more_rounds"] == 0
-    assert pred["round"] == result["measured"]["round"] == first and pred["rounds"] == first + 1
+    assert pred["round"] == result["measured"]["round"] == first and pred["rounds"] == first
     assert result["relative_error"] is None  # an observation, not a prediction
     code, out, _ = _cli(capsys, str(run_dir), "--target", "100")
-    assert code == 0 and "reached loss 100 at round 0, during the calibration rounds" in out
+    assert code == 0 and "reached loss 100 at round 1, during the calibration rounds" in out
 
 
 def _one_line_error(capsys, *args: str) -> str:
@@ -136,7 +136,7 @@ def test_bad_input_is_one_line_and_exit_2(run_dir, tmp_path, capsys):
     assert "required" in _one_line_error(capsys, run)
     # A target the model never reaches: it says so instead of printing a prediction.
     err = _one_line_error(capsys, run, "--target", "0.01")
-    assert "is not reached under the model calibrated on rounds 0-2" in err
+    assert "is not reached under the model calibrated on rounds 1-3" in err
     assert f"within {HORIZON * ROUNDS} rounds" in err
     for bad in ("2", "0", "-3"):
         err = _one_line_error(capsys, run, "--target", "3", f"--calibrate-rounds={bad}")
@@ -189,7 +189,7 @@ def _model_run(tmp_path, overrides: list[str], rounds: int = 30) -> tuple[object
         records.append(
             {
                 "kind": "round",
-                "round": r,
+                "round": r + 1,
                 "steps": steps,
                 "step": step,
                 "tokens": tokens,
@@ -202,7 +202,7 @@ def _model_run(tmp_path, overrides: list[str], rounds: int = 30) -> tuple[object
         )
         losses.append(loss)
         b = after
-    records.append({"kind": "final", "round": rounds - 1, "best_trainer": 0})
+    records.append({"kind": "final", "round": rounds, "best_trainer": 0})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return run, losses
 
@@ -224,8 +224,8 @@ def test_a_run_that_follows_the_model_is_predicted_exactly(tmp_path, overrides):
     assert cal["scale"] == pytest.approx(KAPPA, rel=1e-6)
     assert cal["slope"] == pytest.approx(BETA, rel=1e-9)
     assert cal["sample_variance"] == pytest.approx(SIGMA2, rel=1e-9)
-    assert result["measured"]["round"] == 20
-    assert result["prediction"]["round"] == 20 and result["relative_error"] == 0.0
+    assert result["measured"]["round"] == 21  # records[20] is round 21: rounds are counted from 1
+    assert result["prediction"]["round"] == 21 and result["relative_error"] == 0.0
     records = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "round"]
     assert result["prediction"]["tokens"] == records[20]["tokens"]
     assert result["prediction"]["final_batch"] == records[20]["plan"]["0"]["samples"]
@@ -237,7 +237,7 @@ def test_merges_of_the_followed_trainer_are_flagged(tmp_path, capsys):
     run, _ = _model_run(tmp_path, ["batch.test=norm", "batch.size=3", "batch.b_min=3", "batch.b_cap=3"])
     records = read_metrics(run / "metrics.jsonl")
     for r in records:
-        if r["kind"] == "round" and r["round"] in (4, 10):
+        if r["kind"] == "round" and r["round"] in (5, 11):
             r["merge"] = {"merged": [0, 1], "into": 0, "weights": [0.5, 0.5], "batch_size": 3, "workers": [0, 1]}
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     result = estimate(run, 2.0, calibrate_rounds=6)

@@ -1,5 +1,6 @@
 """metrics.jsonl writer (resume truncation, tracker fan-out) and the memory report."""
 
+import json
 import mmap
 
 from adloco import metrics
@@ -50,3 +51,14 @@ def test_writer_fans_out_and_drops_records_after_the_resume_round(tmp_path):
     assert read_metrics(path)[0]["val_loss"] == "nan"  # non-finite values stay valid JSON
     MetricsWriter(path, resume_round=0).close()
     assert [r["round"] for r in read_metrics(path)] == [0]
+
+
+def test_a_run_counted_from_0_continues_in_rounds_counted_from_1(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"kind": k, "round": r}) + "\n" for r in range(4) for k in ("step", "round")))
+    with open(path, "a") as handle:
+        handle.write(json.dumps({"kind": "note"}) + "\n")  # a record without a round is kept as it is
+    MetricsWriter(path, resume_round=1, renumber=1).close()  # its checkpoint was written after round index 1
+    assert [(r["kind"], r.get("round")) for r in read_metrics(path)] == [
+        ("step", 1), ("round", 1), ("step", 2), ("round", 2), ("note", None)
+    ]  # fmt: skip

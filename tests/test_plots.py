@@ -6,6 +6,7 @@ import warnings
 import pytest
 
 from adloco.checkpoint import CheckpointError
+from adloco.errors import DataError
 from adloco.plots import plot_run
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -93,3 +94,27 @@ def test_a_run_that_sent_nothing_is_plotted_without_complaint(tmp_path):
         warnings.simplefilter("error")
         paths = plot_run(tmp_path / "run")
     assert paths and all(p.read_bytes().startswith(PNG) for p in paths)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        b"\xe4\x00\xff" * 50,  # binary garbage
+        b'{"kind": "round", "round": 1}\n[1]\n3\n',  # lines that are not records
+        b'{"kind": "step", "round": 1}\n',  # records, but no completed round
+    ],
+)
+def test_damaged_metrics_are_an_error_and_good_plots_stay(tmp_path, damage):
+    _write(tmp_path / "run", merges=False, memory=True)
+    before = {p.name: p.read_bytes() for p in plot_run(tmp_path / "run")}
+    (tmp_path / "run" / "metrics.jsonl").write_bytes(damage)
+    with pytest.raises(DataError, match="damaged|no completed round"):
+        plot_run(tmp_path / "run")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run" / "plots").iterdir()} == before
+
+
+def test_a_torn_last_line_is_a_write_cut_short_not_damage(tmp_path):
+    _write(tmp_path / "run", merges=False, memory=False)
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as handle:
+        handle.write('{"kind": "ro')  # no line break: the process died mid-write
+    assert [p.name for p in plot_run(tmp_path / "run")] == ["loss.png", "batch.png"]

@@ -65,7 +65,7 @@ def test_status_of_each_run(root):
     final = [json.loads(line) for line in (root / "done" / "metrics.jsonl").read_text().splitlines()][-1]
     assert done.rounds == final["rounds"] and done.val_loss == final["val_loss"][str(final["best_trainer"])]
     assert runs["stopped"].status == "stopped at round 1" and runs["stopped"].rounds == 1
-    assert runs["stopped"].tokens == 256 and runs["stopped"].val_loss is None  # round 0 was not evaluated
+    assert runs["stopped"].tokens == 256 and runs["stopped"].val_loss is None  # round 1 was not evaluated
     assert runs["running"].status == "running"
     assert runs["failed"].status == "failed" and runs["failed"].error == "RuntimeError: non-finite losses"
     assert not (root / "failed" / RUNNING_FILE).exists()
@@ -108,3 +108,14 @@ def test_bad_root_is_a_one_line_error(tmp_path, capsys):
 def test_a_run_directory_given_as_root_lists_itself(root):
     (run,) = find_runs(root / "done")
     assert run == summarize_run(root / "done")
+
+
+def test_a_run_with_damaged_metrics_says_so(root, tmp_path, capsys):
+    garbled = tmp_path / "garbled"
+    shutil.copytree(root / "stopped", garbled)
+    (garbled / "metrics.jsonl").write_bytes(b"\xe4\x00\xff" * 50)
+    summary = summarize_run(garbled)
+    assert summary.status == "stopped at round 1"
+    assert summary.error == "metrics.jsonl is damaged: it is not UTF-8 text (byte 0)"
+    assert main(["runs", str(tmp_path)]) == 0
+    assert "stopped at round 1 (metrics.jsonl is damaged" in capsys.readouterr().out

@@ -11,6 +11,7 @@ import torch
 
 from adloco.checkpoint import list_checkpoints
 from adloco.config import build_config
+from adloco.config_input import layered
 from adloco.data import ByteTokenizer, DataError
 from adloco.data.labelled import LabelledRows, LabelledSplit, label_names, read_labelled
 from adloco.metrics import read_metrics
@@ -23,7 +24,7 @@ KEYWORDS = {"pos": "good", "neg": "bad"}
 
 # One thread: the machine running the suite has two cores shared with other work, where two threads per
 # process thrash. Classification rows cost their context (16) in the token budget.
-CLASSIFY = [*FAST, "task=classification", "threads=1", "batch.size=4", "run.trackers=[]"]
+CLASSIFY = layered(FAST, ["task=classification", "threads=1", "batch.size=4", "run.trackers=[]"])
 
 
 def keyword_rows(count: int, seed: int) -> list[dict]:
@@ -53,7 +54,7 @@ def reviews(tmp_path) -> tuple[Path, Path]:
 
 
 def overrides(tmp_path: Path, dataset: Path, *more: str) -> list[str]:
-    return [*CLASSIFY, f"data.dataset={dataset}", f"run.root={tmp_path / 'runs'}", *more]
+    return layered(CLASSIFY, [f"data.dataset={dataset}", f"run.root={tmp_path / 'runs'}", *more])
 
 
 def byte_rows(texts: list[str], context: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,7 +291,7 @@ def test_a_bad_labelled_file_is_a_one_line_data_error(tmp_path, capsys, name, co
 def test_a_missing_labelled_file_is_a_one_line_error(tmp_path, reviews, capsys, more, message):
     from adloco.cli import main
 
-    assert main(["train", *overrides(tmp_path, reviews[0]), *more]) == 2
+    assert main(["train", *layered(overrides(tmp_path, reviews[0]), more)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("adloco: error: ") and message in err and "\n" not in err
 

@@ -126,7 +126,7 @@ def test_round_records_become_scalars_and_non_finite_values_are_skipped():
     }
     scalars = scalars_of("round", record)
     assert scalars["round/train_loss/trainer_0"] == 2.5 and "round/train_loss/trainer_1" not in scalars
-    assert scalars["batch/b/trainer_1"] == 6 and scalars["progress/round"] == 3 and scalars["merge/merged"] == 1
+    assert scalars["batch/b/trainer_1"] == 6 and scalars["progress/round"] == 2 and scalars["merge/merged"] == 1
     assert scalars["memory/rank_1/rss_mib"] == 90.0 and scalars["memory/rank_0/peak_rss_mib"] == 120.0
     assert not any(tag.startswith("val/") for tag in scalars)
 

@@ -39,8 +39,9 @@ def write_failure(error: OSError, what: str, path: Path | str) -> StorageError:
     """``error`` at a write of ``what`` as one line naming the write, e.g. "no space left on device while ..."."""
     reason = error.strerror or (os.strerror(error.errno) if error.errno else str(error)) or type(error).__name__
     reason = reason[:1].lower() + reason[1:]
-    hint = "; free some space and continue with --resume RUN_DIR" if error.errno == errno.ENOSPC else ""
-    return StorageError(f"{reason} while writing {what} '{path}'{hint}")
+    failure = StorageError(f"{reason} while writing {what} '{path}'")
+    failure.disk_full = error.errno == errno.ENOSPC
+    return failure
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -95,21 +96,22 @@ def read_manifest(directory: Path) -> list[dict[str, Any]]:
     return [e for e in entries if isinstance(e, dict) and isinstance(e.get("file"), str) and _NAME.match(e["file"])]
 
 
-def save_checkpoint(directory: Path, round_index: int, state: dict[str, Any], keep: int) -> Path:
-    """Write ``round_<n>.pt`` atomically, record its checksum in the manifest, keep the newest ``keep``.
+def save_checkpoint(directory: Path, round_number: int, state: dict[str, Any], keep: int) -> Path:
+    """Write ``round_<n>.pt`` (the state after round n, counted from 1) atomically, record its checksum in the
+    manifest, keep the newest ``keep``.
 
     The manifest is rewritten (atomically) only after the checkpoint itself is on disk, so a crash at
     any moment leaves a manifest that names only complete checkpoints.
     """
     buffer = io.BytesIO()
-    torch.save({"format_version": FORMAT_VERSION, "round": round_index, **state}, buffer)
+    torch.save({"format_version": FORMAT_VERSION, "round": round_number, **state}, buffer)
     data = buffer.getvalue()
-    path = directory / f"round_{round_index:06d}.pt"
+    path = directory / f"round_{round_number:06d}.pt"
     try:
         atomic_write_bytes(path, data)
     except OSError as error:
         raise write_failure(error, "checkpoint", path) from None
-    _record(directory, {"file": path.name, "round": round_index, "bytes": len(data), "sha256": _sha256(data)}, keep)
+    _record(directory, {"file": path.name, "round": round_number, "bytes": len(data), "sha256": _sha256(data)}, keep)
     return path
 
 
@@ -244,9 +246,11 @@ def latest_checkpoint(
     training: bool = False,
     wanted: Callable[[int], bool] | None = None,
     layout: ShardLayout = UNSHARDED,
+    on_fallback: Callable[[list[str], Path], None] | None = None,
 ) -> dict[str, Any] | None:
-    """The newest usable checkpoint (with only the workers ``wanted`` accepts); a damaged one is reported and the
-    one before it is used."""
+    """The newest usable checkpoint (with only the workers ``wanted`` accepts); a damaged one is reported (to
+    ``on_fallback`` with the problems and the checkpoint used instead, else to the log) and the one before it is
+    used."""
     entries = read_manifest(directory)
     candidates = [(directory / e["file"], e.get("sha256")) for e in entries]
     listed = {path.name for path, _ in candidates}
@@ -262,9 +266,11 @@ def latest_checkpoint(
             problems.append(str(error))
             continue
         # Reported only when a checkpoint is used: when none is, the error below says it all in one line.
-        for problem in problems:
-            log.warning("%s; using an older checkpoint", problem)
-        if problems:
-            log.warning("resuming from %s, the newest intact checkpoint", path.name)
+        if problems and on_fallback is not None:
+            on_fallback(problems, path)
+        elif problems:
+            for problem in problems:
+                log.warning("%s; using an older checkpoint", problem)
+            log.warning("using %s, the newest intact checkpoint", path.name)
         return state
     raise CheckpointError(problems[0] + (f" (and {len(problems) - 1} older ones)" if len(problems) > 1 else ""))

@@ -74,7 +74,7 @@ def _as_bytes(obj: Any) -> torch.Tensor:
 
 def save_sharded_checkpoint(
     directory: Path,
-    round_index: int,
+    round_number: int,
     part: dict[str, Any],
     keep: int,
     rank: int,
@@ -84,7 +84,7 @@ def save_sharded_checkpoint(
     """Write this rank's ``part`` of checkpoint ``round_<n>/`` (collective: every rank calls it); rank 0's part
     holds the shared state, to which the format version and round are added as ``save_checkpoint`` adds them to a
     file. Rank 0 then renames the folder into place and records it in the manifest."""
-    final = directory / f"round_{round_index:06d}"
+    final = directory / f"round_{round_number:06d}"
     tmp = directory / f".{final.name}.tmp"
     if rank == 0:
         for stale in directory.glob(".round_*.tmp"):  # saves that died half-way; never mixed into this one
@@ -95,7 +95,7 @@ def save_sharded_checkpoint(
             raise write_failure(error, "checkpoint", tmp) from None
     barrier()
     if rank == 0:
-        part = {"format_version": FORMAT_VERSION, "round": round_index, **part}
+        part = {"format_version": FORMAT_VERSION, "round": round_number, **part}
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _split(part, f"{rank}", tensors)
     state = {**tensors, f"{_SKELETON}{rank}": _as_bytes(skeleton)}
@@ -107,7 +107,7 @@ def save_sharded_checkpoint(
     except CheckpointException as error:  # DCP's wrapper of every rank's failure (a BaseException)
         raise _save_failure(error, tmp) from None
     if rank == 0:
-        _finish(directory, tmp, final, round_index, keep)
+        _finish(directory, tmp, final, round_number, keep)
     return final
 
 
@@ -243,10 +243,11 @@ def _check_files(path: Path) -> None:
         return  # not (yet) in the manifest: the folder is whole, as only a finished save is renamed into place
     # Every rank checks every file, so all ranks take the same checkpoint (or fall back to the same older one).
     for name, digest in files.items():
-        with contextlib.suppress(FileNotFoundError):
-            try:
-                if _sha256((path / name).read_bytes()) == digest:
-                    continue
-            except OSError as error:
-                raise CheckpointError(f"checkpoint '{path}' cannot be read: {error.strerror}") from None
+        try:
+            if _sha256((path / name).read_bytes()) == digest:
+                continue
+        except FileNotFoundError:
+            pass  # missing: damaged, as below
+        except OSError as error:
+            raise CheckpointError(f"checkpoint '{path}' cannot be read: {error.strerror}") from None
         raise CheckpointError(f"checkpoint '{path}' is damaged (file {name} is missing or fails its checksum)")

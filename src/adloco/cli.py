@@ -107,6 +107,16 @@ def _split_items(items: list[str]) -> tuple[str | None, list[str]]:
     return config_file, overrides
 
 
+def _check_config_file(name: str, rest: list[str]) -> None:
+    """A missing config file that looks like a key (``workers 4``) is answered with how keys are written."""
+    from adloco.config import ConfigError
+
+    if Path(name).exists() or Path(name).suffix.lower() in (".yaml", ".yml", ".json"):
+        return  # load_config reads it, or says that it does not exist
+    value = rest[0] if rest and "=" not in rest[0] else "VALUE"
+    raise ConfigError(f"config file {name!r} does not exist; settings are written key=value, e.g. {name}={value}"[:300])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -281,9 +291,15 @@ def _train(args: argparse.Namespace, load_config) -> int:
     from rich.console import Console
 
     from adloco.config import ConfigError
+    from adloco.config_input import reject_repeated
 
     config_file, overrides = _split_items(args.items)
-    if args.resume is not None:  # --resume "" is an error below, not a fresh default run
+    if config_file is not None:
+        _check_config_file(config_file, args.items[1:])
+    reject_repeated(overrides)
+    if args.resume is not None:  # --resume "" is an error, not a fresh default run
+        if not args.resume.strip():
+            raise ConfigError("--resume needs a run directory, got an empty path")
         if config_file:
             raise ConfigError(
                 f"--resume continues a run with its own config; give overrides (key=value), not '{config_file}'"

@@ -23,6 +23,7 @@ from adloco.checkpoint import CheckpointError
 from adloco.comm.base import Communicator
 from adloco.config import BatchConfig, ConfigError, TrainConfig
 from adloco.pace import CostModel, Pace, time_steps, timed_batches
+from adloco.placement import placement, rank_placement
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
 from adloco.sharded_worker import ShardedWorker, sharded_copy
 from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build_strategy
@@ -75,22 +76,6 @@ class RoundReport:
     failed: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     request: BoundaryRequest = BoundaryRequest()
-
-
-def rank_placement(total_workers: int, world_size: int, slots_per_rank: int | None) -> dict[int, int]:
-    """Which rank hosts each worker slot: contiguous blocks of ``slots_per_rank`` worker ids per rank."""
-    slots = slots_per_rank or total_workers // world_size
-    if slots * world_size != total_workers:
-        raise ConfigError(
-            f"slots_per_rank: {total_workers} workers do not fill {world_size} ranks"
-            + (f" with {slots_per_rank} slots each" if slots_per_rank else " evenly")
-        )
-    return {w: w // slots for w in range(total_workers)}
-
-
-def placement(trainers: int, workers_per_trainer: int) -> dict[int, list[int]]:
-    """Worker ids of each trainer at the start: trainer k owns workers k·M … k·M + M − 1."""
-    return {k: list(range(k * workers_per_trainer, (k + 1) * workers_per_trainer)) for k in range(trainers)}
 
 
 def resolve_b_max(
@@ -599,7 +584,7 @@ class Cluster:
         survivor.broadcast(self.workers)
         self.comm.register_group(survivor.worker_ids)
         event = MergeEvent(
-            round=round_index,
+            round=round_index + 1,
             merged=group,
             into=survivor.trainer_id,
             weights=list(weights),
@@ -702,12 +687,6 @@ def shard_view(comm: Communicator, shards: int) -> Communicator:
         return comm.shard_view(shards)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-
-
-def hosted_workers(config: TrainConfig, rank: int, world_size: int) -> set[int]:
-    """The workers that global ``rank`` of ``world_size`` hosts (a shard of each when workers are sharded)."""
-    placed = rank_placement(config.total_workers, world_size // config.shards, config.slots_per_rank)
-    return {w for w, r in placed.items() if r == rank // config.shards}
 
 
 def parameter_fragments(config: TrainConfig, names: list[str]) -> list[list[int]] | None:

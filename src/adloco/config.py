@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import re
@@ -10,10 +9,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from adloco.algorithms.schedules import validate_schedule
+from adloco.config_input import YAMLInputError, apply_overrides, excerpt, load_yaml
 from adloco.errors import CheckpointError, ConfigError
+
+__all__ = ["ConfigError", "TrainConfig", "apply_overrides", "build_config", "load_config", "resume_config"]
 
 HF_PREFIX = "hf:"  # names a Hugging Face dataset or tokenizer (hub name or local folder)
 
@@ -163,6 +165,19 @@ class BatchConfig(_Section):
         None, ge=0, description="controller=time: pin a round's exchange and waiting time; null: measure it."
     )
 
+    @field_validator("step_seconds", mode="before")
+    @classmethod
+    def _pairs(cls, value: Any) -> Any:
+        # Said here in the setting's own words: pydantic would name the union member it tried last.
+        def pair(item: Any) -> bool:
+            return (
+                isinstance(item, list | tuple) and len(item) == 2 and not any(isinstance(x, list | tuple) for x in item)
+            )
+
+        if value is None or pair(value) or (isinstance(value, list | tuple) and value and all(pair(x) for x in value)):
+            return value
+        raise ValueError("give [a, c] or a list of [a, c] pairs, one per worker")
+
     @field_validator("step_seconds")
     @classmethod
     def _positive_cost(cls, value: StepSeconds | None) -> StepSeconds | None:
@@ -302,7 +317,7 @@ class RunConfig(_Section):
     def _plain_folder_name(cls, name: str | None) -> str | None:
         # A name with '/' or '..' would put the run outside run.root.
         if name is not None and (name in ("", ".", "..") or "/" in name or "\0" in name):
-            raise ValueError(f"must be a plain folder name (no '/'), got {name!r}")
+            raise ValueError(f"must be a plain folder name (not empty, '.' or '..'; no '/'), got {excerpt(name)}")
         return name
 
     progress: bool = Field(True, description="Show progress: a bar on a terminal, plain lines when piped.")
@@ -425,8 +440,20 @@ class TrainConfig(BaseModel):
     codec: CodecConfig = Field(default_factory=CodecConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
+    _given: frozenset[str] = PrivateAttr(default=frozenset())
+
+    def __eq__(self, other: object) -> bool:
+        # The keys the input named (given_keys) say how a config was written, not what it is.
+        return type(other) is type(self) and self.__dict__ == other.__dict__
+
+    @property
+    def given_keys(self) -> frozenset[str]:
+        """The top-level keys the input set (before method defaults filled the rest in)."""
+        return self._given
+
     @model_validator(mode="after")
     def _resolve_method_defaults(self) -> TrainConfig:
+        self._given = frozenset(self.model_fields_set)
         defaults = _METHOD_DEFAULTS[self.method]
         self._resolve_model()
         if self.sync_every is None:
@@ -550,77 +577,24 @@ def _check_float32(section: BaseModel, prefix: str = "") -> None:
             raise ValueError(f"{key}: {value:g} is beyond what float32 holds (at most {FLOAT32_MAX:.4g})")
 
 
-class _Loader(yaml.SafeLoader):
-    """YAML with YAML 1.2 booleans: only true/false, so `merge.policy: off` stays the string 'off'."""
-
-
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
-# YAML 1.2 numbers too: 2e4 and 1e-3 are floats (YAML 1.1 wants a dot and a signed exponent), so integer counts
-# can be written 2e4. Checked after every other resolver, so 123 stays an int.
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$"),
-    list("-+.0123456789"),
-)  # fmt: skip
-
-
-def _load_yaml(text: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError:
-        raise
-    except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as error:
-        # PyYAML's constructors raise plain Python errors for a tag whose value does not parse (!!int x).
-        raise yaml.YAMLError(f"a tagged value cannot be built ({type(error).__name__})") from None
-
-
-def _parse_value(text: str) -> Any:
-    """Parse an override value as YAML so numbers, booleans and null work as on the command line."""
-    try:
-        return _load_yaml(text)
-    except yaml.YAMLError:
-        return text
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key.sub=value`` overrides to a nested dict (a new dict is returned)."""
-    result: dict[str, Any] = copy.deepcopy(data) if data else {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' is not of the form key=value")
-        key, _, raw = item.partition("=")
-        key = key.strip()
-        parts = key.split(".")
-        if not key or any(not part for part in parts):
-            raise ConfigError(f"override '{item}' has an empty key")
-        node = result
-        for part in parts[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"override '{item}': '{part}' is not a section")
-            node = child
-        node[parts[-1]] = _parse_value(raw)
-    return result
+def _location(parts: tuple) -> str:
+    # pydantic names the member of a union it tried ("tuple[float, float]"); a user knows only the key
+    return ".".join(str(part) for part in parts if isinstance(part, int) or re.fullmatch(r"\w+", part)) or "config"
 
 
 def _describe(error: ValidationError) -> str:
     first = error.errors()[0]
-    location = ".".join(str(part) for part in first["loc"]) or "config"
+    location = _location(first["loc"])
     if first["type"] == "extra_forbidden":
         return f"unknown key '{location}'"
     message = first["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
         return message if location == "config" else f"{location}: {message}"
+    if first["type"] == "int_parsing_size":
+        message = "not a number this setting can hold (too many digits)"
     given = first.get("input")
-    shown = repr(given) if not isinstance(given, dict) else "a section"
+    shown = excerpt(given) if not isinstance(given, dict) else "a section"
     return f"{location}: {message} (got {shown})"
 
 
@@ -667,12 +641,15 @@ def _safe_keys(elastic: bool) -> str:
 
 
 def _unsafe_message(key: str, elastic: bool) -> str:
-    return f"'{key}' cannot change when a run resumes; only {_safe_keys(elastic)} can"
+    unless = " unless the run was started with elastic=true" if key == "workers" and not elastic else ""
+    return f"'{key}' cannot change when a run resumes{unless}; only {_safe_keys(elastic)} can"
 
 
 def resume_config(run_dir: Path, overrides: list[str] | None = None) -> TrainConfig:
     """The resolved config a run directory was started with, plus resume-safe ``overrides`` (no model stack)."""
     path = run_dir / RUN_CONFIG_FILE
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"'{run_dir}' is a file, not a run directory")
     if not run_dir.is_dir():
         raise ConfigError(f"run directory '{run_dir}' does not exist")
     if not path.exists():
@@ -680,9 +657,22 @@ def resume_config(run_dir: Path, overrides: list[str] | None = None) -> TrainCon
     elastic = load_config(path).elastic
     for item in overrides or []:
         key = item.partition("=")[0].strip()
+        if "=" in item and key and not known_key(key):
+            raise ConfigError(f"unknown key '{key}'")
         if "=" in item and not resume_safe(key, elastic):
             raise ConfigError(_unsafe_message(key, elastic))
     return load_config(path, overrides)
+
+
+def known_key(key: str) -> bool:
+    """Whether the dotted ``key`` names a setting (or a section) of the config."""
+    section: Any = TrainConfig
+    for part in key.split("."):
+        fields = getattr(section, "model_fields", None)
+        if not isinstance(fields, dict) or part not in fields:
+            return False
+        section = fields[part].annotation
+    return True
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -703,9 +693,11 @@ def resume_changes(saved: dict[str, Any] | None, config: TrainConfig) -> list[st
         if before.get(key) != after.get(key):
             if not resume_safe(key, config.elastic and before.get("elastic") is True):
                 noun = key.split(".")[0] if "." in key else "setting"
+                unless = " (workers too in a run started with elastic=true)" if key == "workers" else ""
                 raise CheckpointError(
-                    f"the checkpoint was written with another {noun}: {key} {before.get(key)!r}, now "
-                    f"{after.get(key)!r}; only {_safe_keys(config.elastic)} can change when a run resumes"
+                    f"the checkpoint was written with another {noun}: {key} {excerpt(before.get(key))}, now "
+                    f"{excerpt(after.get(key))}; only {_safe_keys(config.elastic)} can change when a run "
+                    f"resumes{unless}"
                 )
             changes.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
     return changes
@@ -723,11 +715,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except (OSError, ValueError) as error:  # ValueError: undecodable bytes, or a NUL in the path
             raise ConfigError(f"config file {str(path)!r} cannot be read: {error}") from None
         try:
-            loaded = _load_yaml(text)
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"config file '{path}' is not valid YAML{where}") from None
+            loaded = load_yaml(text)
+        except YAMLInputError as error:
+            raise ConfigError(f"config file '{path}': {error}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

@@ -22,3 +22,5 @@ class CheckpointError(ValueError):
 
 class StorageError(RuntimeError):
     """A write into the run directory failed mid-run (full disk, read-only file system): one line, exit code 1."""
+
+    disk_full: bool = False  # the run can go on once space is freed

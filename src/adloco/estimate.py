@@ -188,12 +188,13 @@ def _measured(points: list[RoundPoint], target: float, syncs_per_round: int) -> 
     return None
 
 
-def _at_round(round_index: int, tokens: float, syncs_per_round: int) -> dict[str, Any]:
+def _at_round(round_number: int, tokens: float, syncs_per_round: int) -> dict[str, Any]:
+    # Rounds are counted from 1: the run is at round n after n rounds.
     return {
-        "round": round_index,
-        "rounds": round_index + 1,
+        "round": round_number,
+        "rounds": round_number,
         "tokens": round(tokens),
-        "synchronisations": (round_index + 1) * syncs_per_round,
+        "synchronisations": round_number * syncs_per_round,
     }
 
 

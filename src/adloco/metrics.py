@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from adloco.checkpoint import write_failure
+from adloco.records import read_metrics  # noqa: F401 - where the writer is, readers look first
 from adloco.tracking import FanOut, Tracker
 from adloco.units import duration, short_count
 
@@ -40,12 +41,20 @@ class MetricsWriter:
     On resume, records after the checkpoint's round are dropped from the file (trackers purge their own copies).
     """
 
-    def __init__(self, path: Path, resume_round: int | None = None, trackers: Sequence[Tracker] = ()) -> None:
+    def __init__(
+        self,
+        path: Path,
+        resume_round: int | None = None,
+        trackers: Sequence[Tracker] = (),
+        renumber: int = 0,
+    ) -> None:
+        """``renumber`` is added to the ``round`` of the records kept on resume (1 for a run written when rounds
+        were counted from 0, so its records continue in today's numbering)."""
         self.path = path
         try:
             if resume_round is not None and path.exists():
                 lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-                kept = [line for line in lines if _round_of(line) <= resume_round]
+                kept = [_renumbered(line, renumber) for line in lines if _round_of(line) <= resume_round]
                 path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
             self.handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - held open for the whole run
         except OSError as error:
@@ -83,6 +92,15 @@ class MetricsWriter:
         return write_failure(error, "metrics", self.path)
 
 
+def _renumbered(line: str, offset: int) -> str:
+    if not offset:
+        return line
+    record = json.loads(line)
+    if isinstance(record.get("round"), int):
+        record["round"] += offset
+    return json.dumps(record)
+
+
 def _round_of(line: str) -> float:
     try:
         record = json.loads(line)
@@ -90,20 +108,6 @@ def _round_of(line: str) -> float:
         return math.inf
     value = record.get("round", -1) if isinstance(record, dict) else math.inf
     return value if isinstance(value, int | float) and not isinstance(value, bool) else math.inf
-
-
-def _record(line: str) -> dict[str, Any] | None:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of ``metrics.jsonl``; a line that is not a JSON object (a torn last line) is skipped."""
-    lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
-    return [record for line in lines if line.strip() and (record := _record(line)) is not None]
 
 
 def _proc_status_kib(*keys: str) -> dict[str, int]:

@@ -104,10 +104,14 @@ def model_class(config: PretrainedConfig, head: Head) -> type[PreTrainedModel]:
         raise ConfigError(f"model.path: model_type '{config.model_type}' has no {kind} class in transformers") from None
 
 
+def _class_for(config: PretrainedConfig, head: Head) -> type[PreTrainedModel]:
+    return LlamaForCausalLM if head == "lm" and type(config) is LlamaConfig else model_class(config, head)
+
+
 def build_model(config: PretrainedConfig, seed: int, head: Head = "lm") -> PreTrainedModel:
     """A randomly initialised model with ``head``; the same seed gives the same parameters."""
     hf_logging.set_verbosity_error()
-    cls = LlamaForCausalLM if head == "lm" and type(config) is LlamaConfig else model_class(config, head)
+    cls = _class_for(config, head)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)
@@ -148,6 +152,12 @@ class ModelSpec:
     context: int
     checkpoint: Path | None = None
     label: str = "model"
+
+    def skeleton(self) -> PreTrainedModel:
+        """The model's parameters on the meta device: counted and their shapes read without allocating them."""
+        hf_logging.set_verbosity_error()
+        with torch.device("meta"):
+            return _class_for(self.config, self.head)(self.config)
 
     def build(self, seed: int) -> PreTrainedModel:
         """The model for ``seed``; a checkpoint gives the same weights whatever the seed (except new heads)."""

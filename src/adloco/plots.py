@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from adloco.checkpoint import CheckpointError
+from adloco.errors import DataError
 from adloco.metrics import read_metrics
 
 # x coordinate of a round record on each of the loss plot's three axes
@@ -22,9 +23,7 @@ def _series(records: list[dict], key: str) -> dict[str, list[tuple[float, float,
             continue
         for trainer, value in values.items():
             if isinstance(value, int | float):  # non-finite values are stored as strings
-                out.setdefault(trainer, []).append(
-                    (record["tokens"], record["round"] + 1, record["bytes_total"], value)
-                )
+                out.setdefault(trainer, []).append((record["tokens"], record["round"], record["bytes_total"], value))
     return out
 
 
@@ -37,7 +36,7 @@ def _merge_points(records: list[dict]) -> list[tuple[tuple[float, float, float],
         if record is None:
             continue
         others = ",".join(str(t) for t in merge.get("merged", []) if t != merge.get("into"))
-        out.append(((record["tokens"], merge["round"] + 1, record["bytes_total"]), f"{others}→{merge.get('into')}"))
+        out.append(((record["tokens"], merge["round"], record["bytes_total"]), f"{others}→{merge.get('into')}"))
     return out
 
 
@@ -50,7 +49,7 @@ def _memory_series(records: list[dict]) -> dict[tuple[int, str], list[tuple[floa
         for entry in record.get("memory") or []:
             for field, value in entry.items():
                 if field != "rank" and isinstance(value, int | float):
-                    out.setdefault((entry.get("rank", 0), field), []).append((record["round"] + 1, value))
+                    out.setdefault((entry.get("rank", 0), field), []).append((record["round"], value))
     return out
 
 
@@ -58,8 +57,10 @@ def _save(figure: Any, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    staging = path.with_name(f".{path.name}.tmp")
+    figure.savefig(staging, dpi=110, format="png")
     plt.close(figure)
+    staging.replace(path)  # a good plot is replaced whole or not at all
     return path
 
 
@@ -72,7 +73,12 @@ def plot_run(run_dir: Path) -> list[Path]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise CheckpointError(f"'{run_dir}' has no metrics.jsonl to plot")
-    records = read_metrics(path)
+    try:
+        records = read_metrics(path, strict=True)  # a damaged file would draw blank plots over good ones
+    except OSError as error:
+        raise DataError(f"'{path}' cannot be read: {error.strerror}") from None
+    if not any(r.get("kind") == "round" for r in records):
+        raise DataError(f"'{path}' holds no completed round yet: nothing to plot")
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)
     merges = _merge_points(records)

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from adloco.errors import CheckpointError, ConfigError
+from adloco.records import metrics_damage, read_metrics
 from adloco.stopping import Stopped
 from adloco.units import short_count
 
@@ -152,16 +153,14 @@ class RunSummary:
         return out
 
 
-def _read_records(path: Path) -> list[dict[str, Any]]:
-    """The parseable records of a metrics file; a torn last line from a killed process is skipped."""
-    records = []
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                record = json.loads(line)
-                if isinstance(record, dict):
-                    records.append(record)
-    return records
+def _records(metrics: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """The records ``metrics.jsonl`` holds, and what damages it (None when nothing does, or it does not exist)."""
+    if not metrics.exists():
+        return [], None
+    try:
+        return read_metrics(metrics), metrics_damage(metrics)
+    except OSError as error:  # a folder in its place, no permission
+        return [], f"it cannot be read ({error.strerror})"
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -218,14 +217,14 @@ def _modified(run_dir: Path) -> float:
 def summarize_run(run_dir: Path) -> RunSummary:
     """Status, progress and loss of one run directory, from its files (damaged files are tolerated)."""
     config = _read_config(run_dir / "config.yaml")
-    records = _read_records(run_dir / "metrics.jsonl")
+    records, damage = _records(run_dir / "metrics.jsonl")
     rounds = [r for r in records if r.get("kind") == "round"]
     final = next((r for r in reversed(records) if r.get("kind") == "final"), None)
     last = rounds[-1] if rounds else {}
     method = config.get("method") if isinstance(config.get("method"), str) else None
     total = config.get("total_tokens") if isinstance(config.get("total_tokens"), int) else None
     tokens = last.get("tokens") if isinstance(last.get("tokens"), int) else None
-    done_rounds = last["round"] + 1 if isinstance(last.get("round"), int) else None
+    done_rounds = last["round"] if isinstance(last.get("round"), int) else None
     val_loss = None
     if final is not None:
         best = final.get("best_trainer")
@@ -251,10 +250,12 @@ def summarize_run(run_dir: Path) -> RunSummary:
         with contextlib.suppress(OSError, UnicodeDecodeError):
             error = (run_dir / FAILED_FILE).read_text().strip() or None
     elif checkpoints:
-        status = f"stopped at round {checkpoints[-1] + 1}"
+        status = f"stopped at round {checkpoints[-1]}"
     else:
         status = "failed"
         error = "stopped before its first checkpoint"
+    if damage is not None:  # whatever the files say, the user must know the record of the run is not whole
+        error = "; ".join(filter(None, (error, f"metrics.jsonl is damaged: {damage}")))
     return RunSummary(
         name=run_dir.name,
         path=str(run_dir),
@@ -320,7 +321,7 @@ def runs_table(runs: list[RunSummary], root: Path) -> Any:
         table.add_column(column, justify=justify, no_wrap=not folds, overflow="fold", min_width=12 if folds else None)
     colours = {"finished": "green", "running": "cyan", "failed": "red"}
     for run in runs:
-        status = run.status + (f" ({run.error})" if run.error and run.status == "failed" else "")
+        status = run.status + (f" ({run.error})" if run.error else "")
         table.add_row(
             Text(run.name),  # Text, not markup: names and errors may hold brackets
             run.method or "?",

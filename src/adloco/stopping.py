@@ -26,7 +26,7 @@ def where_to_resume(run_dir: Path, checkpoint_round: int | None) -> str:
     """What a stopped run leaves: the command that resumes it, or that nothing was checkpointed yet."""
     if checkpoint_round is None:
         return f"no checkpoint was written yet in {run_dir}; start the run again"
-    return f"checkpoint of round {checkpoint_round + 1} in {run_dir}; resume with: {resume_command(run_dir)}"
+    return f"checkpoint of round {checkpoint_round} in {run_dir}; resume with: {resume_command(run_dir)}"
 
 
 class Stopped(Exception):

@@ -90,6 +90,10 @@ class Task(ABC):
         """The model for a trainer seeded ``seed``; from a checkpoint every trainer gets the same weights."""
         return self.spec.build(self.seed if self.spec.checkpoint is not None else seed)
 
+    def build_skeleton(self) -> PreTrainedModel:
+        """The model's parameters on the meta device (shapes and counts, no memory)."""
+        return self.spec.skeleton()
+
     @abstractmethod
     def stream(self, seed: int, worker: int, workers: int) -> Stream:
         """Worker ``worker`` of ``workers``: its own deterministic sample stream."""

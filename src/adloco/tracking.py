@@ -79,7 +79,7 @@ def scalars_of(kind: str, fields: dict[str, Any]) -> dict[str, float]:
         per_trainer("val/loss", fields.get("val_loss"))
         per_trainer("batch/b", fields.get("batch"))
         per_trainer("batch/workers", fields.get("workers"))
-        put("progress/round", fields.get("round", -1) + 1)
+        put("progress/round", fields.get("round", 0))  # counted from 1, as everywhere
         put("comm/bytes", fields.get("bytes"))
         put("comm/bytes_total", fields.get("bytes_total"))
         put("comm/seconds", fields.get("comm_seconds"))

@@ -22,13 +22,14 @@ from adloco.checkpoint import (
     CheckpointError,
     apply_umask,
     atomic_write_bytes,
+    checkpoint_round,
     latest_checkpoint,
     list_checkpoints,
     save_checkpoint,
     write_failure,
 )
 from adloco.checkpoint_sharded import save_sharded_checkpoint
-from adloco.cluster import Cluster, MergeEvent, RoundReport, StepProgress, hosted_workers
+from adloco.cluster import Cluster, MergeEvent, RoundReport, StepProgress
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.comm.distributed import (
     DistributedCommunicator,
@@ -36,6 +37,7 @@ from adloco.comm.distributed import (
     launched_by_torchrun,
     max_restarts,
     restart_attempt,
+    world_size_from_env,
 )
 from adloco.compilation import check_compile
 from adloco.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, resume_changes, resume_config
@@ -49,11 +51,13 @@ from adloco.data import (
     source_from_config,
     training_texts,
 )
+from adloco.errors import StorageError
 from adloco.metrics import MetricsWriter, RunDisplay, memory_snapshot
+from adloco.placement import check_world, hosted_workers
 from adloco.precision import configure_matmuls
 from adloco.preflight import check_rank_memory
 from adloco.runs import RunLock, lock_run
-from adloco.stopping import Interrupted, Stopped, StopSignals, where_to_resume
+from adloco.stopping import Interrupted, Stopped, StopSignals
 from adloco.sync.rounds import BoundaryRequest
 from adloco.tasks import Task, build_task, classification_texts, mean_next_token_loss
 from adloco.tracking import check_trackers, open_trackers
@@ -80,7 +84,9 @@ class TrainResult:
     accuracy: float | None = None  # task=classification: validation accuracy of the best trainer
 
 
-def make_run_dir(config: TrainConfig) -> Path:
+def make_run_dir(config: TrainConfig) -> tuple[Path, bool]:
+    """A new run directory; or (``run.name``) the one of that name when an earlier start of it left no checkpoint
+    and no model, which is started over (the second value says so). One that holds work is refused."""
     root = Path(config.run.root)
     if config.run.name:
         name = config.run.name
@@ -89,8 +95,11 @@ def make_run_dir(config: TrainConfig) -> Path:
         model = config.model.preset or Path(str(config.model.path)).stem
         name = f"{model}_{dataset_label(config.data.dataset)}_{stamp}"
     path = root / name
+    if config.run.name and path.exists():  # a second run there would leave `adloco eval` reading the first
+        _check_reusable(path)
+        return path, True
     suffix = 1
-    while path.exists():
+    while path.exists():  # two runs started in the same second
         suffix += 1
         path = root / f"{name}-{suffix}"
     try:
@@ -99,7 +108,17 @@ def make_run_dir(config: TrainConfig) -> Path:
     except (OSError, ValueError) as error:  # ValueError: a NUL byte in the path
         reason = getattr(error, "strerror", None) or str(error)
         raise ConfigError(f"run directory '{path}' cannot be created: {reason}") from None
-    return path
+    return path, False
+
+
+def _check_reusable(path: Path) -> None:
+    """ConfigError unless ``path`` is a run directory whose earlier start stopped before its first checkpoint."""
+    if not (path / RUN_CONFIG_FILE).is_file():
+        raise ConfigError(f"'{path}' already exists and is not a run directory; give another run.name")
+    if list_checkpoints(path / "checkpoints") or (path / "final").exists():
+        raise ConfigError(
+            f"run directory '{path}' already exists; continue it with --resume {path}, or give another run.name"
+        )
 
 
 def _check_writable(directory: Path) -> None:
@@ -249,7 +268,13 @@ def _prepare_run_dir(config: TrainConfig, resume: Path | None, again: Path | Non
         lock = lock_run(again)
         _clear_for_start_over(again)
     else:
-        lock = lock_run(make_run_dir(config))
+        path, reused = make_run_dir(config)
+        lock = lock_run(path)
+        if reused:  # after the lock: a live process starting it is refused, not cleared
+            _clear_for_start_over(path)
+            lock.took_over = (lock.took_over + "; " if lock.took_over else "") + (
+                f"'{path}' held no checkpoint from an earlier start; starting it over"
+            )
     try:
         write_run_config(lock.run_dir, config)
         _record_job(config, lock.run_dir)
@@ -278,6 +303,8 @@ def train(
     Under torchrun every rank calls this; rank 0 alone writes the run directory.
     """
     console = console or Console(stderr=True)
+    torchrun = comm is not None and comm.world_size > 1 or launched_by_torchrun()
+    check_world(config, comm.world_size if comm is not None else world_size_from_env(), torchrun)
     if config.threads:
         torch.set_num_threads(config.threads)
     owns_comm = comm is None
@@ -306,17 +333,29 @@ def _agree_on_restart(config: TrainConfig, comm: Communicator) -> tuple[str, str
     return plan
 
 
-def elastic_size(config: TrainConfig, comm: Communicator) -> TrainConfig:
-    """The config of this start: under torchrun an elastic job has as many workers as its ranks hold slots."""
+def elastic_size(config: TrainConfig, world_size: int, fresh: bool) -> tuple[TrainConfig, str | None]:
+    """The config of this start: under torchrun an elastic job has as many workers as its ranks hold slots; and a
+    line for the user when that is not the ``workers`` the config names. A fresh start refuses a ``workers`` the
+    user gave that the ranks contradict."""
     if not config.elastic or not launched_by_torchrun():
-        return config
-    workers = comm.world_size * (config.slots_per_rank or 1)
-    log.info("elastic: %d ranks × %d worker slots = %d workers", comm.world_size, workers // comm.world_size, workers)
-    return config.model_copy(update={"workers": workers})
+        return config, None
+    slots = config.slots_per_rank or 1
+    workers = world_size * slots
+    if workers == config.workers:
+        return config, None
+    why = f"{world_size} ranks × {slots} worker slot(s) = {workers} workers"
+    if fresh and "workers" in config.given_keys:
+        raise ConfigError(
+            f"workers={config.workers}: an elastic job has one worker per rank slot, here {why}; leave workers out, "
+            f"or launch ranks × slots_per_rank = {config.workers}"
+        )
+    # A resumed or restarted job says the change with the other resume-time changes ("workers: 4 -> 3").
+    note = f"elastic: this job has {why}, not workers={config.workers}" if fresh else None
+    return config.model_copy(update={"workers": workers}), note
 
 
 def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
-    config = elastic_size(config, comm)
+    config, resized = elastic_size(config, comm.world_size, fresh=resume is None and restart_attempt() == 0)
     device = resolve_device(config)
     if config.compile:
         check_compile(device)
@@ -330,7 +369,7 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
     tokenizer, run_task = _tokenizer_and_task(config, resume)
     if device.type == "cpu":  # a GPU's own limit is b_max's business (resolve_b_max probes it)
         workers_here = len(hosted_workers(config, comm.rank, comm.world_size))  # a shard of each when sharded
-        check_rank_memory(config, run_task.build_model(config.seed), run_task.context, workers_here)
+        check_rank_memory(config, run_task.build_skeleton(), run_task.context, workers_here)
     lock, run_dir = _claim_run_dir(config, resume, again, comm)
     if comm.rank == 0 and resume is None:
         save_tokenizer(tokenizer, run_dir / SAVED_DIR)
@@ -341,6 +380,8 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
             console.print(f"adloco: run directory {run_dir}", markup=False, highlight=False, soft_wrap=True)
         if lock.took_over:
             _say(console, lock.took_over)
+        if resized:
+            _say(console, resized)
     error: BaseException | None = None
     started = False
     try:
@@ -354,6 +395,14 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
         if isinstance(raised, Interrupted):
             raise
         raise Interrupted(run_dir, _newest_checkpoint(run_dir)) from None
+    except StorageError as raised:
+        error = raised if started else None
+        if not raised.disk_full:
+            raise
+        # whether --resume can continue depends on what reached the disk before it filled up
+        newest = _newest_checkpoint(run_dir)
+        then = f"continue with --resume {run_dir}" if newest is not None else "start the run again (no checkpoint yet)"
+        raise StorageError(f"{raised}; free some space and {then}") from None
     except BaseException as raised:
         error = raised if started else None  # a refused resume leaves the run as it was
         raise
@@ -409,9 +458,22 @@ def _resume_from(
         return worker_id in hosted or worker_id >= config.total_workers
 
     layout = ShardLayout(
-        comm.rank % config.shards, config.shards, lambda: {tuple(p.shape) for p in task.build_model(0).parameters()}
+        comm.rank % config.shards, config.shards, lambda: {tuple(p.shape) for p in task.build_skeleton().parameters()}
     )
-    checkpoint = latest_checkpoint(run_dir / "checkpoints", training=True, wanted=wanted, layout=layout)
+
+    def fell_back(problems: list[str], used: Path) -> None:
+        if lock is not None:  # rank 0 speaks for the job; every rank checked every file and took the same one
+            for problem in problems:
+                _say(console, f"warning: {problem}")
+            _say(
+                console,
+                f"resuming from the checkpoint of round {checkpoint_round(used)}, the newest intact one; the rounds "
+                "after it are trained again",
+            )
+
+    checkpoint = latest_checkpoint(
+        run_dir / "checkpoints", training=True, wanted=wanted, layout=layout, on_fallback=fell_back
+    )
     changes = resume_changes(checkpoint.get("config"), config)
     if lock is not None and changes:
         write_run_config(run_dir, config)  # the next resume starts from these settings
@@ -428,7 +490,7 @@ def _newest_checkpoint(run_dir: Path) -> int | None:
 def _announce_restart(plan: str, run_dir: Path, checkpoint: dict | None, console: Console) -> None:
     where = f"restart {restart_attempt()} of {max_restarts()}"
     if plan == "resume" and checkpoint is not None:
-        message = f"{where}: resuming {run_dir} from round {checkpoint['counters']['round']}"
+        message = f"{where}: resuming {run_dir} from the checkpoint of round {checkpoint['counters']['round']}"
     elif plan == "again":
         message = f"{where}: the previous attempt left no checkpoint; starting {run_dir} over"
     else:
@@ -521,8 +583,8 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
 def _stop(run: _Run, plan: _RoundPlan, report: RoundReport, signum: int) -> None:
     """A stop signal arrived: checkpoint this round unless that is done or impossible (a skipped round), then end."""
     _settle(run)
-    if run.last_checkpoint != plan.index and not report.skipped:
-        _checkpoint(run, plan.index)
+    if run.last_checkpoint != plan.index + 1 and not report.skipped:
+        _checkpoint(run, plan.index + 1)
     stopped = Stopped(signum, run.run_dir, run.last_checkpoint)
     log.info("%s", stopped)
     raise stopped
@@ -531,7 +593,14 @@ def _stop(run: _Run, plan: _RoundPlan, report: RoundReport, signum: int) -> None
 def _check_budget(run: _Run, console: Console) -> None:
     """A budget below one inner step still trains that step: say so rather than show a misleading 10/10."""
     per_step = run.cluster.tokens_per_step()
-    if run.is_root and run.counters["tokens"] == 0 and run.config.total_tokens < per_step:
+    done = run.counters["tokens"]
+    if run.is_root and done >= run.config.total_tokens:
+        _say(
+            console,
+            f"total_tokens={run.config.total_tokens:,} is spent already: the checkpoint holds {done:,} tokens; "
+            "nothing is trained, the final evaluation and export follow (a larger total_tokens trains on)",
+        )
+    if run.is_root and done == 0 and run.config.total_tokens < per_step:
         _say(
             console,
             f"total_tokens={run.config.total_tokens} is less than one inner step ({per_step:,} tokens over all "
@@ -572,10 +641,12 @@ def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> _Run:
             comm.world_size,
         )
     is_root = comm.rank == 0
-    metrics = _open_metrics(config, run_dir, counters, checkpoint is not None) if is_root else None
+    metrics = _open_metrics(config, run_dir, counters, checkpoint) if is_root else None
     if metrics is not None and cluster.resized is not None:
         before, now = cluster.resized
-        metrics.write("resize", round=counters["round"], tokens=counters["tokens"], workers_before=before, workers=now)
+        metrics.write(
+            "resize", round=counters["round"] + 1, tokens=counters["tokens"], workers_before=before, workers=now
+        )
     return _Run(
         config=config,
         run_dir=run_dir,
@@ -591,10 +662,13 @@ def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> _Run:
     )
 
 
-def _open_metrics(config: TrainConfig, run_dir: Path, counters: dict, resumed: bool) -> MetricsWriter:
+def _open_metrics(config: TrainConfig, run_dir: Path, counters: dict, checkpoint: dict | None) -> MetricsWriter:
     return MetricsWriter(
         run_dir / "metrics.jsonl",
-        resume_round=counters["round"] - 1 if resumed else None,
+        # the checkpoint's own round: the run's records are numbered like it. A run written when rounds were counted
+        # from 0 (its checkpoint's round is one less than the rounds done) has its records renumbered.
+        resume_round=checkpoint["round"] if checkpoint is not None else None,
+        renumber=int(checkpoint is not None and checkpoint["round"] == counters["round"] - 1),
         # Trackers hide their points after the checkpoint's inner step (all of them when starting over).
         trackers=open_trackers(
             config.run.trackers,
@@ -616,7 +690,7 @@ def _plan_round(run: _Run) -> _RoundPlan:
             trainer = cluster.trainers[k]
             log.info(
                 "round %d trainer %d: b_req %d, b_max %d -> %s plan %s",
-                counters["round"],
+                counters["round"] + 1,
                 k,
                 trainer.batch_size,
                 cluster.b_max[trainer.worker_ids[0]],
@@ -672,12 +746,15 @@ def _finish_round(run: _Run, plan: _RoundPlan, report: RoundReport) -> None:
     if finished or checkpoint_due or run.failed_streak >= run.config.run.max_failed_rounds:
         _settle(run)  # a checkpoint holds this round's byte count; the last round is recorded before the end
     if run.failed_streak >= run.config.run.max_failed_rounds:
+        config = run.config
         raise NonFiniteError(
-            f"non-finite losses or gradients on every worker of a trainer for {run.failed_streak} rounds in a "
-            f"row (round {plan.index + 1}); {where_to_resume(run.run_dir, run.last_checkpoint)}"
+            f"training diverged: non-finite losses or gradients on every worker of a trainer for "
+            f"{run.failed_streak} rounds in a row (round {plan.index + 1}); start a new run with a lower inner.lr "
+            f"(now {config.inner.lr:g}) or outer.lr (now {config.outer.lr:g}), or a longer inner.warmup_steps "
+            f"(now {config.inner.warmup_steps})"
         )
     if checkpoint_due:
-        _checkpoint(run, plan.index)
+        _checkpoint(run, plan.index + 1)
 
 
 @dataclass
@@ -770,7 +847,7 @@ def _advance(run: _Run, plan: _RoundPlan, report: RoundReport) -> list[dict]:
         counters["tokens"] += tokens
         records.append(
             {
-                "round": plan.index,
+                "round": plan.index + 1,
                 "step": counters["step"],
                 "loss": losses,
                 "lr": plan.lr_at(run.config, step),
@@ -802,7 +879,7 @@ def _round_record(
     seconds = time.perf_counter() - plan.started
     classification = run.config.task == "classification"
     return dict(
-        round=plan.index,
+        round=plan.index + 1,
         steps=plan.steps,
         tokens=counters["tokens"],
         train_loss=report.loss,
@@ -830,18 +907,19 @@ def _round_record(
     )
 
 
-def _checkpoint(run: _Run, round_index: int) -> None:
-    run.last_checkpoint, run.checkpointed_at = round_index, time.monotonic()
+def _checkpoint(run: _Run, round_number: int) -> None:
+    """A checkpoint of the state after round ``round_number`` (counted from 1, as everywhere a user sees it)."""
+    run.last_checkpoint, run.checkpointed_at = round_number, time.monotonic()
     directory, keep = run.run_dir / "checkpoints", run.config.checkpoint.keep
     run_state = {"counters": dict(run.counters), "config": run.config.model_dump()} if run.is_root else {}
     if run.config.checkpoint.format == "sharded":  # collective: every rank writes its own workers
         part = {"cluster": run.cluster.local_state_dict(), **run_state}
         distributed = isinstance(run.comm, DistributedCommunicator)
-        save_sharded_checkpoint(directory, round_index, part, keep, run.comm.rank, run.comm.barrier, distributed)
+        save_sharded_checkpoint(directory, round_number, part, keep, run.comm.rank, run.comm.barrier, distributed)
         return
     state = run.cluster.state_dict()  # collective: every rank hands its workers' state to rank 0
     if run.is_root:
-        save_checkpoint(directory, round_index, {"cluster": state, **run_state}, keep=keep)
+        save_checkpoint(directory, round_number, {"cluster": state, **run_state}, keep=keep)
 
 
 def _finish(run: _Run, tokenizer_info: dict) -> TrainResult:
@@ -870,7 +948,7 @@ def _finish(run: _Run, tokenizer_info: dict) -> TrainResult:
     assert run.metrics is not None and run.eval_model is not None
     run.metrics.write(
         "final",
-        round=counters["round"] - 1,
+        round=counters["round"],
         val_loss=final_val,
         best_trainer=best,
         perplexity=result.perplexity,

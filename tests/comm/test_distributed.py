@@ -13,6 +13,7 @@ import torch
 from adloco.algorithms.sharding import ShardLayout
 from adloco.checkpoint import list_checkpoints, load_checkpoint
 from adloco.config import build_config, resume_config
+from adloco.config_input import layered
 from adloco.gradients import load_parameters
 from adloco.metrics import read_metrics
 from adloco.training import train
@@ -58,7 +59,7 @@ def _torchrun_command(ranks: int, args: list[str]) -> list[str]:
         "-m",
         "adloco",
         "train",
-        *args,
+        *layered(args),
     ]
 
 
@@ -167,7 +168,7 @@ def _launch_two_ranks(tmp_path, name: str, timeout_s: int, method: list[str] | N
     for rank in range(2):
         env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
         env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        command = [sys.executable, "-m", "adloco", "train", *args, f"comm.timeout_s={timeout_s}"]
+        command = [sys.executable, "-m", "adloco", "train", *layered(args, [f"comm.timeout_s={timeout_s}"])]
         procs.append(
             subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
@@ -307,10 +308,10 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_boundary_and_the_resume_is_
     run_dir = tmp_path / "stopped"
     stopped_lines = [line for line in err.splitlines() if "adloco: stopped on SIGTERM" in line]
     assert stopped_lines == [
-        f"adloco: stopped on SIGTERM: checkpoint of round {int(checkpoints[0].stem.split('_')[1]) + 1} in "
+        f"adloco: stopped on SIGTERM: checkpoint of round {int(checkpoints[0].stem.split('_')[1])} in "
         f"{run_dir}; resume with: adloco train --resume {run_dir}"
     ]  # one line for the job, from rank 0
-    assert 0 < int(checkpoints[0].stem.split("_")[1]) + 1 < len(rounds)
+    assert 0 < int(checkpoints[0].stem.split("_")[1]) < len(rounds)
     _torchrun(2, ["--resume", str(run_dir)], cwd=tmp_path)
     assert same_params(final_params(reference), final_params(run_dir))
 
@@ -372,3 +373,22 @@ def test_an_elastic_job_goes_from_4_to_3_to_4_ranks_as_in_one_process(tmp_path):
     local_rounds = [r for r in read_metrics(local.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     assert [r["train_loss"] for r in rounds] == [r["train_loss"] for r in local_rounds]
     assert [len(r["ranks"]) for r in rounds] == [4, 4, 3, 3, 4, 4]
+
+
+def test_a_damaged_newest_sharded_checkpoint_is_said_once_on_the_console_and_the_one_before_used(tmp_path):
+    """The job's sharded checkpoints: the newest loses DCP's .metadata; every rank falls back to the same older one
+    and rank 0 says so on the terminal, naming the damage and the round it resumes from."""
+    args = [*DILOCO, "workers=2", "total_tokens=512", "checkpoint.every=1", "checkpoint.format=sharded"]
+    _torchrun(2, [*args, f"run.root={tmp_path}", "run.name=job"], cwd=tmp_path)
+    run_dir = tmp_path / "job"
+    older, newest = list_checkpoints(run_dir / "checkpoints")[-2:]
+    (newest / ".metadata").unlink()
+    result = _torchrun(2, ["--resume", str(run_dir), "total_tokens=768"], cwd=tmp_path)
+    ours = [line for line in result.stderr.splitlines() if line.startswith("adloco: ")]
+    assert ours[:2] == [
+        f"adloco: warning: checkpoint '{newest}' is damaged (file .metadata is missing or fails its checksum)",
+        f"adloco: resuming from the checkpoint of round {int(older.name.split('_')[1])}, the newest intact one; "
+        "the rounds after it are trained again",
+    ], result.stderr[-3000:]
+    rounds = [r["round"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    assert rounds == [1, 2, 3]  # 256 tokens a round: the lost round 2 trained again, recorded once

@@ -62,7 +62,7 @@ def reference(tmp_path_factory):
 
 
 def test_torchrun_restart_resumes_the_run_by_itself(tmp_path, reference):
-    """Rank 0 is SIGKILLed mid-round 3 (after step 7 of 2-step rounds); torchrun restarts both ranks, which
+    """Rank 0 is SIGKILLed mid-round 4 (after step 7 of 2-step rounds); torchrun restarts both ranks, which
     resume from round 3's checkpoint."""
     root = tmp_path / "runs"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -89,7 +89,7 @@ def test_torchrun_restart_resumes_the_run_by_itself(tmp_path, reference):
     assert result.returncode == 0, result.stderr[-3000:]
 
     (run_dir,) = _run_dirs(root)  # the restart found the first attempt's directory, made no second one
-    assert f"restart 1 of 1: resuming {run_dir.resolve()} from round 3" in result.stderr
+    assert f"restart 1 of 1: resuming {run_dir.resolve()} from the checkpoint of round 3" in result.stderr
     assert "Traceback" not in result.stdout
     # the survivor saw a failed collective, not zeros it could take for non-finite workers
     assert "non-finite" not in result.stderr and "skipped" not in result.stderr
@@ -98,7 +98,7 @@ def test_torchrun_restart_resumes_the_run_by_itself(tmp_path, reference):
     assert log.count("start: method=diloco") == 1 and "restart 1 of 1: resuming" in log
     # metrics.jsonl was cut back to the checkpoint: every round and step exactly once, the same losses.
     rounds = _rounds(run_dir)
-    assert [r["round"] for r in rounds] == list(range(6))
+    assert [r["round"] for r in rounds] == list(range(1, 7))
     assert [r["train_loss"] for r in rounds] == [r["train_loss"] for r in _rounds(reference)]
     steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "step"]
     assert steps == list(range(1, 13))
@@ -134,7 +134,7 @@ def test_restart_without_a_checkpoint_starts_over_in_the_same_directory(tmp_path
     torchrun_env.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     again = _train_attempt(overrides).run_dir
     assert again.resolve() == first.resolve() and _run_dirs(tmp_path) == [first]
-    assert [r["round"] for r in _rounds(first)] == list(range(6))
+    assert [r["round"] for r in _rounds(first)] == list(range(1, 7))
     assert same_params(final_params(reference), final_params(first))
     assert "restart 1 of 2: the previous attempt left no checkpoint; starting" in (first / "train.log").read_text()
 
@@ -150,8 +150,8 @@ def test_restart_resumes_from_the_newest_checkpoint(tmp_path, reference, torchru
     again = _train_attempt(overrides).run_dir
     assert again.resolve() == first.resolve() and _run_dirs(tmp_path) == [first]
     assert "restart 1 of 2: resuming" in (first / "train.log").read_text()
-    assert "from round 2" in (first / "train.log").read_text()
-    assert [r["round"] for r in _rounds(first)] == list(range(6))
+    assert "from the checkpoint of round 2" in (first / "train.log").read_text()
+    assert [r["round"] for r in _rounds(first)] == list(range(1, 7))
     assert same_params(final_params(reference), final_params(first))
 
 

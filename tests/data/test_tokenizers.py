@@ -84,7 +84,7 @@ def test_a_hugging_face_tokenizer_from_a_local_folder(tmp_path):
     ("spec", "message"),
     [
         ("bytes", "is not 'byte', 'bpe', hf:NAME or an existing tokenizer folder"),
-        ("hf:adloco-test/definitely-not-here", "cannot be loaded"),
+        ("hf:adloco-test/definitely-not-here", "is not in the local Hugging Face cache and offline mode is on"),
     ],
 )
 def test_bad_tokenizers_are_one_line_errors(spec, message):

@@ -36,6 +36,11 @@ def _int_env(name: str) -> int:
         return 0
 
 
+def world_size_from_env() -> int:
+    """The world size torchrun set for this job (1 without torchrun), read before any process group exists."""
+    return max(1, _int_env("WORLD_SIZE")) if launched_by_torchrun() else 1
+
+
 def restart_attempt() -> int:
     """How often torchrun has restarted this job's workers so far (0: the first attempt, or no torchrun)."""
     return _int_env("TORCHELASTIC_RESTART_COUNT")

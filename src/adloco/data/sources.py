@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from adloco.config import HF_PREFIX
+from adloco.data.hub import looks_local, not_found_offline, offline_message, offline_reason
 from adloco.errors import DataError
 
 if TYPE_CHECKING:
@@ -221,13 +222,16 @@ class Source:
                         )
                     loaded = loaded[self.split]
                 return loaded
-            return datasets.load_dataset(
-                self.location,
-                self.hf_config,
-                split=self.split,
-                data_files=self.hf_data_files,
-                streaming=streaming,
-            )
+            # datasets' own builders (json, csv, parquet, text...) read local files and need no Hub
+            builder = self.location in datasets.packaged_modules._PACKAGED_DATASETS_MODULES
+            reason = None if builder or looks_local(self.location) else offline_reason()
+            try:
+                return _load_dataset(self, streaming)
+            except Exception as error:
+                why = not_found_offline(error, reason)
+                if why is not None:
+                    raise DataError(offline_message("dataset", self.location, why)) from None
+                raise
         except DataError:
             raise
         except Exception as error:  # datasets reports missing data, bad splits and network trouble many ways
@@ -241,6 +245,14 @@ class Source:
         if not parts:
             raise DataError(f"data '{self.location}' has no rows")
         return self.separator.join(parts)
+
+
+def _load_dataset(source: Source, streaming: bool) -> Any:
+    import datasets
+
+    return datasets.load_dataset(
+        source.location, source.hf_config, split=source.split, data_files=source.hf_data_files, streaming=streaming
+    )
 
 
 def _skip(items: Iterator[str], start: int) -> Iterator[str]:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from adloco.data.hub import looks_local, not_found_offline, offline_message, offline_reason
 from adloco.data.sources import HF_PREFIX, DataError, first_line
 
 if TYPE_CHECKING:
@@ -112,9 +113,13 @@ def load_pretrained(spec: str, name: str = "hf") -> HFTokenizer:
     if not spec.startswith(HF_PREFIX) and not Path(target).is_dir():
         raise DataError(f"tokenizer '{spec}' is not 'byte', 'bpe', hf:NAME or an existing tokenizer folder")
     hf_logging.set_verbosity_error()
+    reason = None if looks_local(target) else offline_reason()
     try:
         tokenizer = AutoTokenizer.from_pretrained(target)
     except Exception as error:  # transformers reports a missing or broken tokenizer many ways
+        why = not_found_offline(error, reason)
+        if why is not None:
+            raise DataError(offline_message("tokenizer", target, why)) from None
         raise DataError(f"tokenizer '{spec}' cannot be loaded: {first_line(error)}") from None
     if len(tokenizer) < 2:
         raise DataError(f"tokenizer '{spec}' has a vocabulary of {len(tokenizer)}")

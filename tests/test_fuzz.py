@@ -247,7 +247,7 @@ def test_shard_and_rank_arithmetic_fits_or_is_one_line(workers, trainers, shards
         return
     if not (elastic and torchrun):  # the job fits: every worker has a rank, every rank the same number
         placed = [hosted_workers(config, rank, world if torchrun else 1) for rank in range(world if torchrun else 1)]
-        assert sorted(w for hosted in placed for w in hosted) == sorted(range(config.total_workers)) * shards
+        assert sorted(w for hosted in placed for w in hosted) == sorted(list(range(config.total_workers)) * shards)
 
 
 # -- shared fixture: one real small run, damaged copies of it --------------------------------------------------

@@ -3,9 +3,10 @@
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["TrainConfig", "TrainResult", "build_config", "load_config", "train", "__version__"]
+__all__ = ["DiLoCo", "TrainConfig", "TrainResult", "build_config", "load_config", "train", "__version__"]
 
 if TYPE_CHECKING:
+    from adloco.api import DiLoCo
     from adloco.config import TrainConfig, build_config, load_config
     from adloco.training import TrainResult, train
 
@@ -16,6 +17,10 @@ def __getattr__(name: str) -> Any:
         from adloco import config
 
         return getattr(config, name)
+    if name == "DiLoCo":
+        from adloco.api import DiLoCo
+
+        return DiLoCo
     if name in ("train", "TrainResult"):
         from adloco import training
 

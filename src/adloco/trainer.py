@@ -16,7 +16,7 @@ from adloco.algorithms.batch_tests import (
     statistics_from_gram,
 )
 from adloco.algorithms.controller import TimeAwareController, TimedDecision, resolvable_noise_scale
-from adloco.algorithms.outer import OuterOptimizer
+from adloco.algorithms.outer import OuterFactory, OuterOptimizer
 from adloco.algorithms.schedules import BatchCoupling
 from adloco.checkpoint import CheckpointError
 from adloco.comm.base import Communicator
@@ -42,6 +42,7 @@ class Trainer:
         fragments: Sequence[Sequence[int]] | None = None,
         coupling: BatchCoupling | None = None,
         timed: TimeAwareController | None = None,
+        outer_factory: OuterFactory | None = None,
     ) -> None:
         self.trainer_id = trainer_id
         self.theta = [t.detach().clone().float() for t in theta]
@@ -51,7 +52,13 @@ class Trainer:
         # not sync gets no gradient, so its momentum cannot leak.
         self.fragments = [list(range(len(self.theta)))] if fragments is None else [list(f) for f in fragments]
         self.outers = [
-            OuterOptimizer([self.theta[i] for i in fragment], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+            OuterOptimizer(
+                [self.theta[i] for i in fragment],
+                lr=outer_lr,
+                momentum=outer_momentum,
+                nesterov=nesterov,
+                factory=outer_factory,
+            )
             for fragment in self.fragments
         ]
         self.momentum = outer_momentum

@@ -276,3 +276,11 @@ def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco():
     # the comparison is sharp: streaming proper (P = 2, τ = 1, α = 0.5) lands elsewhere
     other, _, _ = _streaming(theta0, targets, h=6, rounds=4, p=2, tau=1, alpha=0.5)
     assert not all(torch.equal(a, b) for a, b in zip(other, expected, strict=True))
+
+
+def test_a_model_without_transformer_blocks_is_split_by_its_top_level_modules():
+    names = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]  # an nn.Sequential
+    assert assign_fragments(names, 2, "strided") == [[0, 1, 4, 5], [2, 3]]
+    assert assign_fragments(names, 2, "sequential") == [[0, 1, 2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="does not fit a model with 3 blocks"):
+        assign_fragments(names, 4)

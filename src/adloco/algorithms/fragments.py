@@ -28,7 +28,8 @@ def assign_fragments(
     Blocks are dealt to fragments strided (block l → fragment l mod P) or in contiguous runs. Parameters
     outside every block (embeddings, final norm, head) join fragment 0 (``first``) or make up a fragment of
     their own (``own``): then they are fragment 0 and the blocks share the other P − 1 fragments (a model
-    with no such parameters has nothing to put there, and ``own`` acts like ``first``). Every parameter is
+    with no such parameters has nothing to put there, and ``own`` acts like ``first``). In a model without
+    transformer blocks the top-level modules (the first part of each name) are the blocks. Every parameter is
     in exactly one fragment and no fragment is empty; a P that cannot achieve this raises ValueError.
     """
     if num_fragments < 1:
@@ -37,8 +38,12 @@ def assign_fragments(
         raise ValueError(f"streaming.assignment must be 'strided' or 'sequential', got {mode!r}")
     if shared not in ("first", "own"):
         raise ValueError(f"streaming.shared must be 'first' or 'own', got {shared!r}")
-    blocks = sorted({i for i in (layer_index(n) for n in param_names) if i is not None})
-    has_outside = any(layer_index(n) is None for n in param_names)
+    block_of = [layer_index(n) for n in param_names]
+    if all(b is None for b in block_of):  # no transformer blocks: the top-level modules stand in for them, in order
+        tops = list(dict.fromkeys(n.split(".")[0] for n in param_names))
+        block_of = [tops.index(n.split(".")[0]) for n in param_names]
+    blocks = sorted({i for i in block_of if i is not None})
+    has_outside = any(b is None for b in block_of)
     block_fragments = num_fragments - 1 if shared == "own" and has_outside else num_fragments
     if block_fragments < 1 or block_fragments > max(len(blocks), 1):
         raise ValueError(
@@ -53,8 +58,7 @@ def assign_fragments(
 
     offset = num_fragments - block_fragments
     fragments: list[list[int]] = [[] for _ in range(num_fragments)]
-    for i, name in enumerate(param_names):
-        block = layer_index(name)
+    for i, block in enumerate(block_of):
         fragments[0 if block is None else offset + fragment_of_block(block)].append(i)
     if any(not f for f in fragments):
         raise ValueError(f"streaming.fragments={num_fragments} leaves a fragment without parameters")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -64,15 +64,29 @@ def _reduce_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]  # params -> any torch optimizer
+
+
 class OuterOptimizer:
-    """SGD (optionally Nesterov) on the global parameters θ, driven by pseudo-gradients.
+    """SGD (optionally Nesterov) on the global parameters θ, driven by pseudo-gradients, or any torch optimizer
+    a ``factory`` makes for the parameters (the pseudo-gradient is handed to it as the gradient).
 
     With lr 1 and no momentum the step sets θ to the workers' mean (LocalSGD). Parameters that receive
     no pseudo-gradient in a step keep their momentum untouched (their grad stays None, never zero).
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], lr: float, momentum: float = 0.0, nesterov: bool = False):
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        lr: float,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        factory: OuterFactory | None = None,
+    ):
         self.params = list(params)
+        if factory is not None:
+            self.optimizer = factory(self.params)
+            return
         self.optimizer = torch.optim.SGD(
             self.params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, foreach=False
         )

@@ -109,9 +109,30 @@ class DistributedCommunicator(ExchangeMixin):
         # ``world_size`` then count the ranks that hold that shard, one per worker slot block.
         self.shards, self.shard = 1, 0
         self._world: Any = dist.group.WORLD
+        self._owns_world = True  # it made the process group, so closing it destroys the group
         self.shard_group: Any = None
         self.shard_mesh: Any = None
         self._views: list[DistributedCommunicator] = []
+
+    @classmethod
+    def on_group(cls, group: Any = None, reduce: str = "gather") -> DistributedCommunicator:
+        """A communicator over a process group someone else made and owns (a user's loop: the default group, or
+        ``group``): its ranks are the group's ranks, and ``close`` leaves the group alone."""
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call init_process_group first (or use torchrun)")
+        view = cls.__new__(cls)
+        view.backend = str(dist.get_backend(group))
+        view.reduce = reduce
+        view.rank, view.world_size = dist.get_rank(group), dist.get_world_size(group)
+        cuda = view.backend == "nccl"
+        view.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        view.stats, view.placement, view._groups = CommStats(), {}, {}
+        view.shards, view.shard, view.shard_group, view.shard_mesh, view._views = 1, 0, None, None, []
+        # None names the default group to every collective: holding the group object itself would keep it alive
+        # after the user's destroy_process_group, and its teardown at interpreter exit can abort the process.
+        view._world = group
+        view._owns_world = False
+        return view
 
     def shard_view(self, shards: int) -> DistributedCommunicator:
         """This communicator among the ranks that hold the same shard of every worker: HSDP's replicate
@@ -136,6 +157,8 @@ class DistributedCommunicator(ExchangeMixin):
 
     def _global(self, rank: int) -> int:
         """The global rank of ``rank`` of this communicator."""
+        if self._world is not None and self._world is not dist.group.WORLD and self.shards == 1:  # on_group's own
+            return dist.get_global_rank(self._world, rank)
         return rank * self.shards + self.shard
 
     # -- placement and groups -------------------------------------------------------------------------
@@ -341,7 +364,7 @@ class DistributedCommunicator(ExchangeMixin):
         dist.barrier(group=self._world)
 
     def close(self) -> None:
-        if dist.is_initialized():
+        if self._owns_world and dist.is_initialized():
             dist.destroy_process_group()
         # Held group handles would keep gloo's worker threads alive until interpreter teardown, where joining
         # them may abort the process (SIGABRT after a finished run); release them while Python is still whole.

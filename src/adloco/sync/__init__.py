@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from adloco.algorithms.codecs import get_codec
+from adloco.algorithms.outer import OuterFactory
 from adloco.comm.base import Communicator
 from adloco.config import TrainConfig
 from adloco.sync.base import SyncStrategy
@@ -34,9 +35,14 @@ __all__ = [
 
 
 def build_strategy(
-    config: TrainConfig, comm: Communicator, trainers: dict[int, Trainer], workers: Mapping[int, Worker]
+    config: TrainConfig,
+    comm: Communicator,
+    trainers: dict[int, Trainer],
+    workers: Mapping[int, Worker],
+    outer_factory: OuterFactory | None = None,
 ) -> SyncStrategy:
-    """The strategy of ``config.method`` (LocalSGD and AdLoCo are DiLoCo with other outer/batch settings)."""
+    """The strategy of ``config.method`` (LocalSGD and AdLoCo are DiLoCo with other outer/batch settings);
+    ``outer_factory``: the outer optimizer of each worker's own copy under eager overlap (default: outer SGD)."""
     if config.method == "ddp":
         return DDPSync(config, comm, trainers, workers)
     codec = None if config.codec.name == "none" else get_codec(config.codec.name, config.codec.block_size)
@@ -44,5 +50,6 @@ def build_strategy(
     if config.method == "streaming":
         return StreamingSync(config, comm, trainers, workers, exchange)
     if config.outer.overlap != "none":
-        return OverlappedSync(config, comm, trainers, workers, exchange, eager=config.outer.overlap == "eager")
+        eager = config.outer.overlap == "eager"
+        return OverlappedSync(config, comm, trainers, workers, exchange, eager=eager, outer_factory=outer_factory)
     return DiLoCoSync(config, comm, trainers, workers, exchange)

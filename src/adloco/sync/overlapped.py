@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.futures import Future
 
-from adloco.algorithms.outer import OuterOptimizer, eager_pseudo_gradient, worker_delta
+from adloco.algorithms.outer import OuterFactory, OuterOptimizer, eager_pseudo_gradient, worker_delta
 from adloco.comm.base import Communicator
 from adloco.config import TrainConfig
 from adloco.sync.base import DeltaStrategy, completed
@@ -29,9 +29,11 @@ class EagerCopy:
     """Eager updates: a worker's own outer parameters and outer momentum, and its share of the mean Δ
     still in flight. Workers start rounds from their own copies; θ itself lags them by one exchange."""
 
-    def __init__(self, theta: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool) -> None:
+    def __init__(
+        self, theta: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool, factory: OuterFactory | None
+    ) -> None:
         self.theta = [t.detach().clone() for t in theta]
-        self.outer = OuterOptimizer(self.theta, lr=lr, momentum=momentum, nesterov=nesterov)
+        self.outer = OuterOptimizer(self.theta, lr=lr, momentum=momentum, nesterov=nesterov, factory=factory)
         self.share: list[torch.Tensor] | None = None
 
     def state_dict(self) -> dict:
@@ -67,11 +69,12 @@ class OverlappedSync(DeltaStrategy):
         workers: Mapping[int, Worker],
         exchange: DeltaExchange,
         eager: bool,
+        outer_factory: OuterFactory | None = None,
     ) -> None:
         super().__init__(config, comm, trainers, workers, exchange)
         outer = config.outer
         self.eager = {
-            w: EagerCopy(t.theta, outer.lr, outer.momentum, bool(outer.nesterov))
+            w: EagerCopy(t.theta, outer.lr, outer.momentum, bool(outer.nesterov), outer_factory)
             for t in trainers.values()
             for w in t.worker_ids
             if eager and w in workers

@@ -1,0 +1,107 @@
+"""What adloco.DiLoCo costs and gives in a user's own loop: examples/plain_loop.py with DiLoCo against the same
+loop under torch DDP, 2 torchrun ranks of one thread each on this machine, runs alternating.
+
+    python benchmarks/own_loop.py                       # 3 runs of each, 400 steps (153,600 tokens)
+    python benchmarks/own_loop.py --repeats 1 --steps 40
+
+Reports the median tokens/s and validation loss (64 blocks of the held-out tail) of each, and their ratio;
+writes benchmarks/results/own_loop.json and the table between the markers in docs/own-loop.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+
+from common import ROOT, environment
+from link import publish
+
+EXAMPLE = ROOT / "examples" / "plain_loop.py"
+DOC = ROOT / "docs" / "own-loop.md"
+MARKERS = ("<!-- own-loop:begin -->", "<!-- own-loop:end -->")
+LINE = re.compile(r"(\w+): val loss (\d+\.\d+), ([\d,]+) tokens/s")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(mode: str, steps: int, sync_every: int) -> dict:
+    """One torchrun job of the example; its final line parsed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={_free_port()}", str(EXAMPLE), "--steps", str(steps), "--sync-every",
+               str(sync_every)]  # fmt: skip
+    if mode == "ddp":
+        command.append("--ddp")
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    match = LINE.search(done.stdout)
+    if done.returncode != 0 or match is None:
+        raise SystemExit(f"{mode} failed: {done.stderr[-2000:]}")
+    return {
+        "mode": mode,
+        "val_loss": float(match.group(2)),
+        "tokens_per_second": float(match.group(3).replace(",", "")),
+    }
+
+
+def table(report: dict) -> str:
+    rows = ["| loop | val loss (median) | tokens/s (median) | runs |", "| --- | ---: | ---: | ---: |"]
+    for mode in ("diloco", "ddp"):
+        runs = [r for r in report["runs"] if r["mode"] == mode]
+        loss = statistics.median(r["val_loss"] for r in runs)
+        speed = statistics.median(r["tokens_per_second"] for r in runs)
+        rows.append(f"| {mode} | {loss:.4f} | {speed:,.0f} | {len(runs)} |")
+    env = report["environment"]
+    return "\n".join([
+        f"Measured {env['date']} with `{report['command']}`: adloco {env['adloco']}, torch {env['torch']}, Python "
+        f"{env['python']}, {env['machine']}; {report['steps']} steps of 2 ranks × batch 3 × 64 tokens "
+        f"({report['tokens']:,} tokens), H = {report['sync_every']}, one thread per rank, runs alternating.",
+        "",
+        *rows,
+        "",
+        f"DiLoCo/DDP: {report['speed_ratio']:.2f}× the tokens/s, validation loss {report['loss_change']:+.1%}.",
+    ])  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--sync-every", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--write", action="store_true", help="store the results and update docs/own-loop.md")
+    args = parser.parse_args()
+    runs = []
+    for repeat in range(args.repeats):
+        for mode in ("diloco", "ddp") if repeat % 2 == 0 else ("ddp", "diloco"):
+            runs.append(run(mode, args.steps, args.sync_every))
+            print(f"  {runs[-1]}", flush=True)
+    median = {m: {k: statistics.median(r[k] for r in runs if r["mode"] == m) for k in ("val_loss", "tokens_per_second")}
+              for m in ("diloco", "ddp")}  # fmt: skip
+    report = {
+        "command": "python benchmarks/own_loop.py" + "".join(f" {a}" for a in sys.argv[1:] if a != "--write"),
+        "environment": environment(),
+        "steps": args.steps,
+        "sync_every": args.sync_every,
+        "tokens": args.steps * 2 * 3 * 64,
+        "runs": runs,
+        "speed_ratio": median["diloco"]["tokens_per_second"] / median["ddp"]["tokens_per_second"],
+        "loss_change": median["diloco"]["val_loss"] / median["ddp"]["val_loss"] - 1,
+    }
+    text = table(report)
+    if args.write:
+        publish(report, text, ROOT / "benchmarks" / "results" / "own_loop.json", DOC, MARKERS)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

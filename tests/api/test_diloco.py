@@ -1,0 +1,183 @@
+"""adloco.DiLoCo in a user's own loop: the numbers of ``adloco train`` (real torchrun processes), resume from the
+user's own checkpoint, state through torch.save and torch.distributed.checkpoint, and clear errors for bad use."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from adloco import DiLoCo
+from adloco.config import ConfigError
+from adloco.config_input import layered
+from tests.comm.test_distributed import _env, _free_port, _torchrun
+from tests.conftest import final_params
+
+LOOP = Path(__file__).with_name("adloco_train_loop.py")
+SETTINGS = [
+    "model.context=16",
+    "workers=2",
+    "batch.size=2",
+    "sync_every=4",
+    "inner.warmup_steps=2",
+    "threads=1",
+    "batched_workers=false",  # one worker per rank steps as a plain torch AdamW does
+    "eval.every=1000",
+    "eval.final_full=false",
+    "eval.blocks=4",
+    "run.plots=false",
+    "run.progress=false",
+    "run.trackers=[]",
+]
+STREAMING_FP4 = ["method=streaming", "streaming.fragments=2", "streaming.overlap=1", "codec.name=fp4-e2m1",
+                 "codec.error_feedback=true"]  # fmt: skip
+
+
+def _loop(tmp_path: Path, out: Path, settings: list[str], *flags: str) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={_free_port()}", str(LOOP), str(out), *flags, *settings]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=240, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("method", "flags", "stop_after"),
+    [
+        (["total_tokens=1024"], ["--own-group"], None),
+        ([*STREAMING_FP4, "total_tokens=1280"], [], 9),
+        # the loop clips before the hook averages the gradients, adloco train after: without clipping they agree
+        (["method=ddp", "inner.clip=null", "total_tokens=512"], [], None),
+    ],
+    ids=["diloco-own-group", "streaming-fp4-ef-resumed-mid-round", "ddp"],
+)
+def test_a_plain_loop_with_diloco_ends_on_the_bits_of_adloco_train(tmp_path, method, flags, stop_after):
+    """Two torchrun ranks; the loop reads the samples adloco train's workers read (the first case over a process
+    group of its own). The streaming case stops after inner step 9 (mid-round, a fragment in flight), each rank
+    saving its own checkpoint, and a second launch resumes from it."""
+    settings = layered(SETTINGS, method)
+    _torchrun(2, [*settings, f"run.root={tmp_path}", "run.name=cli"], cwd=tmp_path)
+    out = tmp_path / "loop.pt"
+    if stop_after is not None:
+        _loop(tmp_path, out, settings, f"--stop-after={stop_after}")
+        assert not out.exists() and len(list(tmp_path.glob("loop.pt.rank*"))) == 2  # each rank its own
+    _loop(tmp_path, out, settings, *flags)
+    expected, got = final_params(tmp_path / "cli"), torch.load(out, weights_only=True)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+# -- one process: a world of one worker ---------------------------------------------------------------------------
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _train(model, optimizer, diloco, steps: int, start: int = 0) -> None:
+    generator = torch.Generator().manual_seed(start)
+    for _ in range(steps):
+        x = torch.randn(8, 4, generator=generator)
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"method": "streaming", "streaming": {"fragments": 2, "overlap": 1}},
+        {"codec": {"name": "int8", "error_feedback": True}, "outer": {"overlap": "eager"}},
+    ],
+    ids=["diloco", "streaming", "int8-ef-eager"],
+)
+@pytest.mark.parametrize("saver", ["torch.save", "dcp"])
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_run_resumed_from_its_own_checkpoint_mid_round_goes_on_bit_identically(tmp_path, settings, saver):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh())
+    model.append(torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    kwargs = {"sync_every": 4, **settings}
+    with DiLoCo(model, optimizer, **kwargs) as diloco:
+        _train(model, optimizer, diloco, 6)  # 1.5 rounds
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "diloco": diloco.state_dict()}
+        if saver == "torch.save":
+            torch.save(state, tmp_path / "state.pt")
+        else:
+            dcp.save({"model": model, "optimizer": optimizer, "diloco": diloco}, checkpoint_id=tmp_path / "dcp")
+        _train(model, optimizer, diloco, 7, start=6)
+    diloco.flush()
+
+    again = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh())
+    again.append(torch.nn.Linear(16, 1))
+    optimizer2 = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    with DiLoCo(again, optimizer2, **kwargs) as resumed:
+        if saver == "torch.save":
+            saved = torch.load(tmp_path / "state.pt", weights_only=True)
+            again.load_state_dict(saved["model"])
+            optimizer2.load_state_dict(saved["optimizer"])
+            resumed.load_state_dict(saved["diloco"])
+        else:
+            _train(again, optimizer2, resumed, 1, start=99)  # AdamW's state must exist for DCP to load into
+            dcp.load({"model": again, "optimizer": optimizer2, "diloco": resumed}, checkpoint_id=tmp_path / "dcp")
+        assert resumed.inner_step == 6 and resumed.round_step == 2
+        _train(again, optimizer2, resumed, 7, start=6)
+    resumed.flush()
+    assert _same(diloco.theta, resumed.theta) and _same(model.parameters(), again.parameters())
+
+
+def test_localsgd_with_one_worker_is_plain_training():
+    model, reference = _model(), _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    with DiLoCo(model, optimizer, sync_every=3, method="localsgd") as diloco:
+        _train(model, optimizer, diloco, 9)
+    _train(reference, plain, None, 9)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # θ − (θ − θ_m) rounds; DESIGN test vector 4
+    assert diloco.inner_step == 9 and diloco.round_step == 0
+
+
+def test_the_outer_step_is_the_outer_optimizers_own():
+    """Default: Nesterov SGD lr 1, momentum 0.5 on Δ = θ − θ_m; a factory puts any torch optimizer there."""
+    for factory in (None, lambda params: torch.optim.Adam(params, lr=0.05)):
+        model = _model()
+        start = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with DiLoCo(model, optimizer, sync_every=2, outer_optimizer=factory) as diloco:
+            _train(model, optimizer, diloco, 1)
+            drifted = [p.detach().clone() for p in model.parameters()]
+            _train(model, optimizer, diloco, 1, start=1)
+        assert type(diloco.trainer.outers[0].optimizer) is (torch.optim.SGD if factory is None else torch.optim.Adam)
+        assert _same(model.parameters(), diloco.theta)  # every worker restarts from θ
+        assert not _same(diloco.theta, drifted) and not _same(diloco.theta, start)
+
+
+def test_bad_use_is_one_clear_error():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="needs a torch.optim.Optimizer"):
+        DiLoCo(model, "adam")
+    with pytest.raises(ValueError, match="not the model's trainable parameters"):
+        DiLoCo(model, torch.optim.SGD(_model(1).parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match="streaming"):
+        DiLoCo(model, optimizer, sync_every=5, method="streaming", streaming={"fragments": 2})
+    with pytest.raises(ConfigError, match="method: 'adloco' is not one of"):
+        DiLoCo(model, optimizer, method="adloco")
+    with pytest.raises(ConfigError, match="unknown key 'outer.lrr'"):
+        DiLoCo(model, optimizer, outer={"lrr": 0.7})
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        DiLoCo(model, optimizer, process_group=object())
+    diloco = DiLoCo(model, optimizer, sync_every=2)
+    with diloco, pytest.raises(RuntimeError, match="not twice"):
+        diloco.step()
+    with pytest.raises(RuntimeError, match="use `with diloco:`"):
+        DiLoCo(model, optimizer, method="ddp").step()

@@ -1,0 +1,25 @@
+"""The examples run as the README says, under torchrun with 2 ranks on CPU, on a tiny budget."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.comm.test_distributed import _env, _free_port
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _torchrun_example(name: str, *args: str, cwd: Path) -> str:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={_free_port()}", str(EXAMPLES / name), *args]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=300, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_the_plain_loop_example_trains_with_diloco(tmp_path):
+    out = _torchrun_example("plain_loop.py", "--steps", "20", "--sync-every", "5", cwd=tmp_path)
+    match = re.fullmatch(r"diloco: val loss (\d+\.\d+), ([\d,]+) tokens/s\n", out)
+    assert match is not None, out
+    assert 0 < float(match.group(1)) < 5.6  # below ln 256: it learned something in 20 steps

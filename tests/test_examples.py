@@ -23,3 +23,16 @@ def test_the_plain_loop_example_trains_with_diloco(tmp_path):
     match = re.fullmatch(r"diloco: val loss (\d+\.\d+), ([\d,]+) tokens/s\n", out)
     assert match is not None, out
     assert 0 < float(match.group(1)) < 5.6  # below ln 256: it learned something in 20 steps
+
+
+def test_the_hf_trainer_example_trains_with_diloco(tmp_path):
+    out = _torchrun_example("hf_trainer.py", "--steps", "20", "--sync-every", "5", "--out", str(tmp_path / "o"),
+                            cwd=tmp_path)  # fmt: skip
+    loss = re.search(r"^diloco: val loss (\d+\.\d+)$", out, re.M)
+    assert loss is not None and 0 < float(loss.group(1)) < 5.6, out[-2000:]
+
+
+def test_the_lightning_example_trains_with_diloco(tmp_path):
+    out = _torchrun_example("lightning_fit.py", "--steps", "20", "--sync-every", "5", cwd=tmp_path)
+    loss = re.search(r"^diloco: val loss (\d+\.\d+)$", out, re.M)
+    assert loss is not None and 0 < float(loss.group(1)) < 5.6, out[-2000:]

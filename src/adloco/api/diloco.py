@@ -108,26 +108,41 @@ class DiLoCo:
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def __enter__(self) -> DiLoCo:
-        self._hooks = [
-            self.optimizer.register_step_pre_hook(lambda *_: self._before_step()),
-            self.optimizer.register_step_post_hook(lambda *_: self._after_step()),
-        ]
-        return self
+        return self.hook()
 
     def __exit__(self, *exc: object) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
 
+    def hook(self, before: bool = True) -> DiLoCo:
+        """Hook the optimizer: ``before_step`` before each of its steps (``before=False``: the caller calls it, as a
+        framework whose optimizer step computes the gradients inside it must), ``step`` after each."""
+        if self._hooks:
+            raise RuntimeError("DiLoCo already hooks the optimizer")
+        if before:
+            self._hooks.append(self.optimizer.register_step_pre_hook(lambda *_: self.before_step()))
+        self._hooks.append(self.optimizer.register_step_post_hook(lambda *_: self._after_step()))
+        return self
+
     def step(self) -> None:
-        """After each ``optimizer.step()`` when not used as a context manager (DDP needs the context manager: it
+        """After each ``optimizer.step()`` when the optimizer is not hooked (DDP needs ``before_step`` too: it
         averages the gradients before the optimizer step)."""
         if self._hooks:
             raise RuntimeError("DiLoCo.step() is called by the optimizer's hook inside `with diloco:`; not twice")
-        if self.config.method == "ddp":
-            raise RuntimeError("method='ddp' averages gradients before the optimizer step: use `with diloco:`")
-        self._record(finite=True)
         self._after_step()
+
+    def before_step(self) -> None:
+        """Between backward and the optimizer step: the strategy's exchange there (DDP's gradient mean) and the
+        health of this step's gradients; a worker out of its round takes no optimizer step."""
+        record = self._state.local[self.rank]
+        if len(record.steps) > self.round_step:
+            raise RuntimeError("DiLoCo.before_step() twice for one optimizer step")
+        self._record(finite=record.out or _finite([p.grad for p in self.params if p.grad is not None]))
+        stepping = self.sync.after_backward(self._state, self.round_step)
+        if self.rank not in stepping:
+            for p in self.params:
+                p.grad = None  # a torch optimizer leaves a parameter without a gradient alone
 
     @property
     def round_step(self) -> int:
@@ -143,17 +158,11 @@ class DiLoCo:
         record = self._state.local[self.rank]
         record.steps.append(SKIPPED_STEP if record.out else StepRecord(loss=math.nan, tokens=0, finite=finite))
 
-    def _before_step(self) -> None:
-        """The strategy's exchange between backward and the optimizer step (DDP's gradient mean), and the
-        health of this step's gradients; a worker out of its round takes no optimizer step."""
-        record = self._state.local[self.rank]
-        self._record(finite=record.out or _finite([p.grad for p in self.params if p.grad is not None]))
-        stepping = self.sync.after_backward(self._state, self.round_step)
-        if self.rank not in stepping:
-            for p in self.params:
-                p.grad = None  # a torch optimizer leaves a parameter without a gradient alone
-
     def _after_step(self) -> None:
+        if len(self._state.local[self.rank].steps) == self.round_step:  # no before_step: nothing to check then
+            if self.config.method == "ddp":
+                raise RuntimeError("method='ddp' averages gradients before the optimizer step: use `with diloco:`")
+            self._record(finite=True)
         self.sync.after_inner_step(self._state, self.round_step)
         self.inner_step += 1
         if self.round_step == self.sync_every:

@@ -48,6 +48,8 @@ def main(args: argparse.Namespace) -> None:
     metrics = trainer.evaluate()  # of θ: the callback hands it to the model when training ends
     if trainer.is_world_process_zero():
         print(f"diloco: val loss {metrics['eval_loss']:.4f}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

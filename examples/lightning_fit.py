@@ -50,6 +50,8 @@ def main(args: argparse.Namespace) -> None:
     (result,) = trainer.validate(module, DataLoader(val, batch_size=16), verbose=False)  # θ: set when fit ends
     if trainer.is_global_zero:
         print(f"diloco: val loss {result['val_loss']:.4f}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ def main(out: str, mode: str) -> None:
         names = [name for name, p in module.named_parameters() if p.requires_grad]
         torch.save(dict(zip(names, [t.detach().clone() for t in theta], strict=True)), out)
     dist.barrier()
+    # a process group alive at interpreter exit may abort the process while gloo's threads are joined
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

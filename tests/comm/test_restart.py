@@ -15,7 +15,8 @@ from adloco.comm import LocalCommunicator
 from adloco.comm.distributed import job_key
 from adloco.config import ConfigError, build_config
 from adloco.metrics import read_metrics
-from adloco.training import JOBS_DIR, _restart_plan, train
+from adloco.run_dir import JOBS_DIR, restart_plan
+from adloco.training import train
 from tests.comm.crash_launch import CRASH_AFTER_STEP, CRASH_RANK
 from tests.conftest import final_params, same_params
 
@@ -190,7 +191,7 @@ def test_a_restart_with_another_world_size_resumes_only_an_elastic_job(tmp_path,
     torchrun_env.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     smaller = build_config(overrides=[*job, "workers=1"])  # a restart that came back with half the worker slots
     if elastic:
-        assert _restart_plan(smaller) == ("resume", str(first.resolve()))
+        assert restart_plan(smaller) == ("resume", str(first.resolve()))
     else:
         with pytest.raises(ConfigError, match="started with another configuration"):
-            _restart_plan(smaller)
+            restart_plan(smaller)

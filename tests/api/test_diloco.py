@@ -181,3 +181,47 @@ def test_bad_use_is_one_clear_error():
         diloco.step()
     with pytest.raises(RuntimeError, match="use `with diloco:`"):
         DiLoCo(model, optimizer, method="ddp").step()
+
+
+def test_finish_ends_a_round_in_progress_so_no_step_is_lost():
+    for method in ("localsgd", "ddp"):
+        model, reference = _model(), _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with DiLoCo(model, optimizer, sync_every=4, method=method) as diloco:
+            _train(model, optimizer, diloco, 6)  # a round and a half
+        _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), None, 6)
+        diloco.finish()
+        assert diloco.inner_step == 6 and diloco.round_step == 0
+        for got, want in zip(diloco.theta, reference.parameters(), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # θ holds all six steps
+
+
+def test_a_step_whose_end_never_came_is_closed_at_the_next_one():
+    """A loss scaler that skips optimizer.step() skips its hooks: the step still counts, on every rank alike."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = DiLoCo(model, optimizer, sync_every=2).hook(before=False)
+    for _ in range(3):
+        diloco.before_step()  # the step after it never ran (skipped)
+    assert diloco.inner_step == 2 and diloco.round_step == 0 and diloco.last_round is not None
+
+
+def test_a_state_is_refused_by_other_settings():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = DiLoCo(model, optimizer, sync_every=4).state_dict()
+    with pytest.raises(ValueError, match="saved with other settings"):
+        DiLoCo(model, optimizer, sync_every=2).load_state_dict(saved)
+    with pytest.raises(ValueError, match="no outer optimizer of its own"):
+        DiLoCo(model, optimizer, method="localsgd", outer_optimizer=lambda p: torch.optim.Adam(p))
+
+
+def test_a_framework_wrapper_that_averages_gradients_is_refused():
+    from adloco.integrations.ddp import keep_gradients_local
+
+    class FullyShardedDataParallel(torch.nn.Module):  # what FSDP's wrapper is called
+        pass
+
+    keep_gradients_local(FullyShardedDataParallel(), world_size=1)  # one rank: nothing is averaged
+    with pytest.raises(ValueError, match="wrapped in FullyShardedDataParallel, which averages gradients"):
+        keep_gradients_local(FullyShardedDataParallel(), world_size=2)

@@ -7,6 +7,7 @@ optimizer the inner optimizer, and the rounds run through the very sync strategi
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 from collections.abc import Sequence
@@ -39,8 +40,9 @@ class LoopWorker:
         for p, t in zip(self.params, theta, strict=True):
             p.copy_(t)
 
-    def gradients(self) -> list[torch.Tensor | None]:
-        return [p.grad for p in self.params]
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients, zeros where a parameter took part in no backward (a DDP mean needs every tensor)."""
+        return [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
 
     @torch.no_grad()
     def set_gradients(self, grads: Sequence[torch.Tensor]) -> None:
@@ -82,19 +84,23 @@ class DiLoCo:
         codec: dict[str, Any] | None = None,
         outer_optimizer: OuterFactory | None = None,
         process_group: Any = None,
+        check_finite: bool = True,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         _check_optimizer(optimizer, self.params)
-        self.comm = _communicator(process_group)
+        if outer_optimizer is not None and method in ("localsgd", "ddp"):
+            raise ValueError(f"method={method!r} has no outer optimizer of its own to replace; use method='diloco'")
+        self.comm = _communicator(process_group, self.params[0].device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         sections = {"outer": outer, "streaming": streaming, "codec": codec}
         self.config = loop_settings(method, sync_every, self.world_size, sections)
         assert self.config.sync_every is not None
         self.sync_every = self.config.sync_every
+        self.check_finite = check_finite  # off where a loss scaler already keeps overflowing steps out
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.comm.set_placement({w: w for w in range(self.world_size)})
-        _check_same_model(self.comm, self.rank, self.params)
+        _check_same_job(self.comm, self.rank, self.params, self._fingerprint())
         self.trainer = _trainer(self.config, self.params, names, self.world_size, outer_optimizer)
         self.comm.broadcast_tensors(self.trainer.theta, src=0)  # every rank starts from rank 0's parameters
         self.workers = {self.rank: LoopWorker(self.rank, self.params)}
@@ -105,6 +111,7 @@ class DiLoCo:
         self.inner_step = 0  # inner steps taken since the start, over every round
         self._state = self._new_round()
         self._hooks: list[Any] = []
+        self.last_round: RoundState | None = None  # the round that ended last, with every worker's report
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def __enter__(self) -> DiLoCo:
@@ -136,9 +143,11 @@ class DiLoCo:
         """Between backward and the optimizer step: the strategy's exchange there (DDP's gradient mean) and the
         health of this step's gradients; a worker out of its round takes no optimizer step."""
         record = self._state.local[self.rank]
-        if len(record.steps) > self.round_step:
-            raise RuntimeError("DiLoCo.before_step() twice for one optimizer step")
-        self._record(finite=record.out or _finite([p.grad for p in self.params if p.grad is not None]))
+        if len(record.steps) > self.round_step:  # the last step never reached its end: a loss scaler skipped it
+            self._after_step()
+            record = self._state.local[self.rank]
+        healthy = not self.check_finite or _finite([p.grad for p in self.params if p.grad is not None])
+        self._record(finite=record.out or healthy)
         stepping = self.sync.after_backward(self._state, self.round_step)
         if self.rank not in stepping:
             for p in self.params:
@@ -165,7 +174,7 @@ class DiLoCo:
             self._record(finite=True)
         self.sync.after_inner_step(self._state, self.round_step)
         self.inner_step += 1
-        if self.round_step == self.sync_every:
+        if self.round_step >= self.sync_every:
             self._end_round()
 
     def _end_round(self) -> None:
@@ -175,7 +184,7 @@ class DiLoCo:
             record.out = True
         self.sync.end_of_round(state)
         if record.out:
-            self.optimizer.state.clear()  # it restarts from θ; its moments may hold NaN
+            self.optimizer.state.clear()  # it restarts from θ (the strategy saw to that); its moments may hold NaN
         self.last_round = state
         self._state = self._new_round()
 
@@ -183,11 +192,23 @@ class DiLoCo:
         """Apply the exchanges still in flight (streaming, overlap) to θ and the model: at the end of training."""
         self.sync.flush()
 
-    def finish(self) -> None:
-        """End of training: the exchanges in flight applied, and the model set to θ, the model DiLoCo trained (a
-        worker's own parameters drift from it within a round)."""
+    def finish(self, into_model: bool = True) -> None:
+        """End of training (every rank, after the same number of steps): a round in progress ends here as a shorter
+        one, the exchanges in flight are applied, and (``into_model``) the model is set to θ, the model DiLoCo
+        trained."""
+        if len(self._state.local[self.rank].steps) > self.round_step:  # a last step a loss scaler skipped
+            self._after_step()
+        if self.round_step > 0:
+            self._end_round()
         self.flush()
-        self.workers[self.rank].load_params(self.trainer.theta)
+        if into_model:
+            self.workers[self.rank].load_params(self.trainer.theta)
+
+    def _fingerprint(self) -> list[float]:
+        """What every rank must agree on: the method, H, fragments, codec, each rank's model shapes and dtypes."""
+        settings = (self.config.method, self.sync_every, self.config.streaming.fragments, self.config.codec.name)
+        model = tuple((tuple(p.shape), str(p.dtype)) for p in self.params)
+        return [float(len(self.params)), float(sum(p.numel() for p in self.params)), _digest(settings), _digest(model)]
 
     @property
     def theta(self) -> list[torch.Tensor]:
@@ -201,6 +222,7 @@ class DiLoCo:
         state = {
             "inner_step": self.inner_step,
             "world_size": self.world_size,
+            "settings": self._settings(),
             "trainer": self.trainer.state_dict(),
             "pending": self.sync.state_dict(),
             "worker": self.sync.worker_state(self.rank),
@@ -217,6 +239,8 @@ class DiLoCo:
         state = torch.load(io.BytesIO(state_dict[key]), weights_only=True)
         if state["world_size"] != self.world_size:
             raise ValueError(f"the state was saved by {state['world_size']} ranks; this job has {self.world_size}")
+        if state.get("settings", self._settings()) != self._settings():
+            raise ValueError(f"the state was saved with other settings ({state['settings']}); now {self._settings()}")
         self.trainer.load_state_dict(state["trainer"])
         self.sync.load_state_dict(state["pending"])
         drifted = [p.detach().clone() for p in self.params]  # the model's own state is the user's to load
@@ -226,6 +250,23 @@ class DiLoCo:
         self._state = self._new_round()
         self._state.first_step = self.inner_step - len(WorkerRound.from_tensor(state["round"]).steps)
         self._state.local[self.rank] = WorkerRound.from_tensor(state["round"])
+
+    def _settings(self) -> dict[str, Any]:
+        """What a saved state only fits: the method, H and the exchange's shape."""
+        config = self.config
+        return {
+            "method": config.method,
+            "sync_every": self.sync_every,
+            "fragments": config.streaming.fragments,
+            "overlap": config.outer.overlap,
+            "codec": config.codec.name,
+            "error_feedback": config.codec.error_feedback,
+        }
+
+
+def _digest(value: Any) -> float:
+    """A number that tells values apart alike in every process (unlike ``hash`` of text)."""
+    return float(int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:6], "big"))
 
 
 def _finite(tensors: Sequence[torch.Tensor]) -> bool:
@@ -244,7 +285,7 @@ def _check_optimizer(optimizer: Any, params: list[torch.Tensor]) -> None:
         raise ValueError(f"the optimizer updates {foreign} tensor(s) that are not the model's trainable parameters")
 
 
-def _communicator(process_group: Any) -> Communicator:
+def _communicator(process_group: Any, device: torch.device) -> Communicator:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -255,16 +296,18 @@ def _communicator(process_group: Any) -> Communicator:
 
     if process_group is not None and dist.get_rank(process_group) < 0:
         raise ValueError("this rank is not a member of the process_group given to DiLoCo")
-    return DistributedCommunicator.on_group(process_group)
+    return DistributedCommunicator.on_group(process_group, device=device)
 
 
-def _check_same_model(comm: Communicator, rank: int, params: list[torch.Tensor]) -> None:
-    """Every rank must hold a model of the same shapes: refuse (on every rank) rather than hang or mix models."""
-    shapes = [float(len(params)), float(sum(p.numel() for p in params))]
-    shapes.append(float(hash(tuple(tuple(p.shape) for p in params)) % (1 << 50)))
-    seen = comm.gather_worker_scalars({rank: shapes})
+def _check_same_job(comm: Communicator, rank: int, params: list[torch.Tensor], fingerprint: list[float]) -> None:
+    """Every rank must hold a model of the same shapes and the same settings: refuse on every rank (rather than
+    hang in a collective only some reach, or average unlike tensors)."""
+    seen = comm.gather_worker_scalars({rank: fingerprint})
     if any(v != seen[0] for v in seen.values()):
-        raise ValueError("the ranks hold models of different shapes: every rank must build the same model")
+        raise ValueError(
+            "the ranks hold different models or DiLoCo settings (method, sync_every, fragments, codec): every rank "
+            "must build the same model and DiLoCo"
+        )
 
 
 def _trainer(

@@ -115,17 +115,20 @@ class DistributedCommunicator(ExchangeMixin):
         self._views: list[DistributedCommunicator] = []
 
     @classmethod
-    def on_group(cls, group: Any = None, reduce: str = "gather") -> DistributedCommunicator:
+    def on_group(
+        cls, group: Any = None, reduce: str = "gather", device: torch.device | None = None
+    ) -> DistributedCommunicator:
         """A communicator over a process group someone else made and owns (a user's loop: the default group, or
-        ``group``): its ranks are the group's ranks, and ``close`` leaves the group alone."""
+        ``group``): its ranks are the group's ranks, and ``close`` leaves the group alone. Exchanges run on
+        ``device`` (the model's) where the backend has NCCL and ``device`` is a GPU, else on the CPU."""
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call init_process_group first (or use torchrun)")
         view = cls.__new__(cls)
         view.backend = str(dist.get_backend(group))
         view.reduce = reduce
         view.rank, view.world_size = dist.get_rank(group), dist.get_world_size(group)
-        cuda = view.backend == "nccl"
-        view.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        cuda = "nccl" in view.backend and device is not None and device.type == "cuda"
+        view.device = device if cuda else torch.device("cpu")
         view.stats, view.placement, view._groups = CommStats(), {}, {}
         view.shards, view.shard, view.shard_group, view.shard_mesh, view._views = 1, 0, None, None, []
         # None names the default group to every collective: holding the group object itself would keep it alive

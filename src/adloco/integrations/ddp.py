@@ -25,8 +25,18 @@ local_only.__annotations__ = {
 }
 
 
-def keep_gradients_local(model: Any) -> None:
-    """Give ``model``, where it is a DDP wrapper, the hook that leaves each rank's gradients its own (once)."""
-    if isinstance(model, DistributedDataParallel) and not getattr(model, "_adloco_local_only", False):
-        model.register_comm_hook(None, local_only)
-        model._adloco_local_only = True
+def keep_gradients_local(model: Any, world_size: int) -> None:
+    """Give ``model``'s DDP wrapper the hook that leaves each rank's gradients its own (once). Where several ranks
+    train and the model is in another wrapper that averages gradients (FSDP, DataParallel), refuse."""
+    wrapper = getattr(model, "_orig_mod", model)  # torch.compile's module around the wrapper
+    if isinstance(wrapper, DistributedDataParallel):
+        if not getattr(wrapper, "_adloco_local_only", False):
+            wrapper.register_comm_hook(None, local_only)
+            wrapper._adloco_local_only = True
+        return
+    kind = type(wrapper).__name__
+    if world_size > 1 and ("FullyShardedDataParallel" in kind or kind.startswith("FSDP") or kind == "DataParallel"):
+        raise ValueError(
+            f"the model is wrapped in {kind}, which averages gradients every step; DiLoCo works with "
+            "DistributedDataParallel (a worker spanning several ranks: adloco train shards=S)"
+        )

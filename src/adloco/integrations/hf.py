@@ -2,10 +2,11 @@
 
 Under torchrun the Trainer wraps the model in ``DistributedDataParallel``, which averages the gradients of every
 backward; DiLoCo's workers must drift apart instead. The callback gives that DDP a communication hook that
-communicates nothing (the model stays wrapped, so the Trainer's own code paths stay as they are), hooks the
-torch optimizer inside the Trainer's, and hands θ back to the model when training ends, so ``trainer.save_model``
-saves the model DiLoCo trained. Each optimizer step is one inner step (after gradient accumulation, and not
-counted when a mixed-precision step is skipped).
+communicates nothing (the model stays wrapped, so the Trainer's own code paths stay as they are), follows the
+Trainer's optimizer steps, and hands θ back to the model when training ends, so ``trainer.save_model`` saves the
+model DiLoCo trained. Each optimizer step is one inner step (after gradient accumulation). The Trainer's
+``average_tokens_across_devices`` (on by default) would gather a token count across ranks every step: ``use_diloco``
+turns it off.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ STATE_FILE = "adloco_diloco_rank{rank}.pt"  # in each of the Trainer's checkpoin
 
 
 class DiLoCoCallback(TrainerCallback):
-    """DiLoCo (or ``method`` localsgd, streaming) for ``trainer``'s run; the settings are ``adloco.DiLoCo``'s."""
+    """DiLoCo (or ``method`` localsgd, streaming) for ``trainer``'s run; the settings are ``adloco.DiLoCo``'s.
+
+    The Trainer's own step events drive it (``on_pre_optimizer_step``: after clipping, before the step;
+    ``on_optimizer_step``: after it), so every rank counts every optimizer step, also one that fp16's loss scaler
+    skipped on some ranks only; with that scaler DiLoCo leaves non-finite steps to it."""
 
     def __init__(self, trainer: Trainer, sync_every: int = 10, method: str = "diloco", **settings: Any) -> None:
         if method == "ddp":
@@ -34,20 +39,37 @@ class DiLoCoCallback(TrainerCallback):
         self.inner: torch.optim.Optimizer | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model=None, optimizer=None, **kwargs: Any) -> None:
-        keep_gradients_local(self.trainer.model_wrapped)
+        keep_gradients_local(self.trainer.model_wrapped, self.trainer.accelerator.num_processes)
         self.inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
-        self.diloco = DiLoCo(model, self.inner, **self.settings)
-        self.diloco.__enter__()
-        saved = Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE_FILE.format(rank=self.diloco.rank)
-        if state.global_step > 0 and saved.exists():  # a run resumed from the Trainer's checkpoint
-            mine = torch.load(saved, weights_only=True)
-            # The Trainer restored rank 0's model and optimizer on every rank; within a round each rank has its own.
-            model.load_state_dict(mine["model"])
-            self.inner.load_state_dict(mine["optimizer"])
-            self.diloco.load_state_dict(mine["diloco"])
+        scaled = getattr(self.trainer.accelerator, "scaler", None) is not None
+        self.diloco = DiLoCo(model, self.inner, check_finite=not scaled, **self.settings)
+        if state.global_step > 0:  # a run resumed from the Trainer's checkpoint
+            self._restore(Path(args.output_dir) / f"checkpoint-{state.global_step}", model)
+
+    def _restore(self, folder: Path, model: torch.nn.Module) -> None:
+        assert self.diloco is not None and self.inner is not None
+        saved = folder / STATE_FILE.format(rank=self.diloco.rank)
+        if not saved.exists():
+            raise FileNotFoundError(
+                f"resuming at step {folder.name.split('-')[-1]}, DiLoCo needs this rank's state in '{saved}' (written "
+                "beside every checkpoint of the Trainer's output_dir); resume from a checkpoint of that folder"
+            )
+        mine = torch.load(saved, weights_only=True)
+        # The Trainer restored rank 0's model and optimizer on every rank; within a round each rank has its own.
+        model.load_state_dict(mine["model"])
+        self.inner.load_state_dict(mine["optimizer"])
+        self.diloco.load_state_dict(mine["diloco"])
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.diloco is not None
+        self.diloco.before_step()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.diloco is not None
+        self.diloco.step()
 
     def on_save(self, args: Any, state: Any, control: Any, model=None, **kwargs: Any) -> None:
-        assert self.diloco is not None
+        assert self.diloco is not None and self.inner is not None
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         folder.mkdir(parents=True, exist_ok=True)
         mine = {"model": model.state_dict(), "optimizer": self.inner.state_dict(), "diloco": self.diloco.state_dict()}
@@ -55,12 +77,13 @@ class DiLoCoCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.diloco is not None:
-            self.diloco.__exit__(None, None, None)
-            self.diloco.finish()  # the model is θ, for trainer.save_model and evaluation
+            # the model is θ for trainer.save_model and evaluation, unless the Trainer just loaded its best checkpoint
+            self.diloco.finish(into_model=not args.load_best_model_at_end)
 
 
 def use_diloco(trainer: Trainer, sync_every: int = 10, method: str = "diloco", **settings: Any) -> DiLoCoCallback:
     """Make ``trainer``'s next ``train()`` DiLoCo; returns the callback (its ``.diloco`` once training began)."""
     callback = DiLoCoCallback(trainer, sync_every, method, **settings)
+    trainer.args.average_tokens_across_devices = False  # a collective every step, and each worker's loss rescaled
     trainer.add_callback(callback)
     return callback

@@ -3,8 +3,9 @@
 Lightning's DDP strategy wraps the module in ``DistributedDataParallel``; the callback gives that wrapper a hook
 that communicates nothing, so each rank is a DiLoCo worker. Lightning computes the gradients inside
 ``optimizer.step`` (its closure), so the callback calls ``DiLoCo.before_step`` from ``on_before_optimizer_step``
-(after backward, before clipping and the step) and hooks only the step's end. Works with ``lightning`` or
-``pytorch_lightning``, whichever is installed (``lightning`` first); one optimizer, automatic optimization.
+(after backward, before clipping and the step) and hooks only the step's end (a step a loss scaler skipped is
+closed at the next one, so every rank counts alike). Works with ``lightning`` or ``pytorch_lightning``, whichever
+is installed (``lightning`` first); one optimizer, automatic optimization.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ class DiLoCoCallback(pl.Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if len(trainer.optimizers) != 1:
             raise ValueError(f"DiLoCo wraps one inner optimizer; configure_optimizers gave {len(trainer.optimizers)}")
-        keep_gradients_local(trainer.strategy.model)
+        if trainer.global_step > 0:
+            raise ValueError("resuming a Lightning fit with DiLoCo from its checkpoint is not supported yet")
+        keep_gradients_local(trainer.strategy.model, trainer.world_size)
         self.diloco = DiLoCo(pl_module, trainer.optimizers[0], **self.settings).hook(before=False)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:

@@ -56,6 +56,10 @@ class StreamingSync(DeltaStrategy):
             self.gather_reports(state, trainer)
             if self.mark_skipped(state, trainer):
                 trainer.broadcast(self.workers)  # every worker failed: all restart from θ
+                continue
+            for worker_id in self.hosted(trainer):
+                if state.reports[worker_id].out:  # its fragments may hold NaN: it restarts from θ
+                    self.workers[worker_id].load_params(trainer.theta)
 
     def flush(self) -> None:
         alpha = self.config.streaming.alpha or 0.0

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
+from adloco import end_process_group
 from adloco.data.sources import bundled_text
 from adloco.integrations.hf import use_diloco
 
@@ -48,8 +49,6 @@ def main(args: argparse.Namespace) -> None:
     metrics = trainer.evaluate()  # of θ: the callback hands it to the model when training ends
     if trainer.is_world_process_zero():
         print(f"diloco: val loss {metrics['eval_loss']:.4f}")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -60,3 +59,4 @@ if __name__ == "__main__":
     parser.add_argument("--data", default=None, help="a text file (default: the bundled Tiny Shakespeare)")
     parser.add_argument("--out", default="hf-diloco", help="the Trainer's output folder")
     main(parser.parse_args())
+    end_process_group()  # after main returned: the trainer's cycles hold the process group

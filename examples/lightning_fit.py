@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from adloco import end_process_group
 from adloco.data.sources import bundled_text
 from adloco.integrations.lightning import DiLoCoCallback, pl
 
@@ -50,8 +51,6 @@ def main(args: argparse.Namespace) -> None:
     (result,) = trainer.validate(module, DataLoader(val, batch_size=16), verbose=False)  # θ: set when fit ends
     if trainer.is_global_zero:
         print(f"diloco: val loss {result['val_loss']:.4f}")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -61,3 +60,4 @@ if __name__ == "__main__":
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--data", default=None, help="a text file (default: the bundled Tiny Shakespeare)")
     main(parser.parse_args())
+    end_process_group()  # after main returned: the trainer's cycles hold the process group

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from adloco import DiLoCo
+from adloco import DiLoCo, end_process_group
 from adloco.data.sources import bundled_text
 
 
@@ -56,7 +56,6 @@ def main(args: argparse.Namespace) -> None:
     if rank == 0:
         tokens = args.steps * args.batch * args.context * world
         print(f"{'ddp' if args.ddp else 'diloco'}: val loss {loss:.4f}, {tokens / seconds:,.0f} tokens/s")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -68,3 +67,4 @@ if __name__ == "__main__":
     parser.add_argument("--ddp", action="store_true", help="torch DDP instead of DiLoCo, for comparison")
     parser.add_argument("--data", default=None, help="a text file (default: the bundled Tiny Shakespeare)")
     main(parser.parse_args())
+    end_process_group()  # after main returned: the optimizer hooks' cycles hold the process group

@@ -3,10 +3,19 @@
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["DiLoCo", "TrainConfig", "TrainResult", "build_config", "load_config", "train", "__version__"]
+__all__ = [
+    "DiLoCo",
+    "end_process_group",
+    "TrainConfig",
+    "TrainResult",
+    "build_config",
+    "load_config",
+    "train",
+    "__version__",
+]
 
 if TYPE_CHECKING:
-    from adloco.api import DiLoCo
+    from adloco.api import DiLoCo, end_process_group
     from adloco.config import TrainConfig, build_config, load_config
     from adloco.training import TrainResult, train
 
@@ -17,10 +26,10 @@ def __getattr__(name: str) -> Any:
         from adloco import config
 
         return getattr(config, name)
-    if name == "DiLoCo":
-        from adloco.api import DiLoCo
+    if name in ("DiLoCo", "end_process_group"):
+        from adloco import api
 
-        return DiLoCo
+        return getattr(api, name)
     if name in ("train", "TrainResult"):
         from adloco import training
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from adloco import DiLoCo, build_config
+from adloco import DiLoCo, build_config, end_process_group
 from adloco.algorithms.schedules import inner_lr
 from adloco.data import build_tokenizer, load_corpus, source_from_config, training_texts
 from adloco.tasks import build_task
@@ -66,7 +66,6 @@ def main(out: str, args: list[str]) -> None:
             if step == stop_after:
                 state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
                 torch.save({**state, "stream": stream.state_dict(), "diloco": diloco.state_dict()}, mine)
-                dist.destroy_process_group()
                 return
             inputs, targets = stream.next_batch(config.batch.size)
             optimizer.zero_grad(set_to_none=True)
@@ -81,8 +80,8 @@ def main(out: str, args: list[str]) -> None:
     if rank == 0:
         names = [name for name, _ in model.named_parameters()]
         torch.save(dict(zip(names, diloco.theta, strict=True)), out)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
+    end_process_group()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from adloco import DiLoCo
+from adloco import DiLoCo, end_process_group
 from adloco.data.sources import bundled_text
 from adloco.integrations.hf import use_diloco
 
@@ -87,9 +87,8 @@ def main(out: str, mode: str) -> None:
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         torch.save(dict(zip(names, [t.detach().clone() for t in theta], strict=True)), target)
     dist.barrier()
-    # a process group alive at interpreter exit may abort the process while gloo's threads are joined
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    end_process_group()

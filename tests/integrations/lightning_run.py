@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from adloco import DiLoCo
+from adloco import DiLoCo, end_process_group
 from adloco.integrations.lightning import DiLoCoCallback, pl
 from tests.integrations.hf_trainer_run import STEPS, SYNC_EVERY, Windows, tiny_llama
 
@@ -65,9 +65,8 @@ def main(out: str, mode: str) -> None:
         names = [name for name, p in module.named_parameters() if p.requires_grad]
         torch.save(dict(zip(names, [t.detach().clone() for t in theta], strict=True)), out)
     dist.barrier()
-    # a process group alive at interpreter exit may abort the process while gloo's threads are joined
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    end_process_group()

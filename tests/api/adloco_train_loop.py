@@ -76,7 +76,7 @@ def main(out: str, args: list[str]) -> None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.step()
-    diloco.flush()
+    diloco.finish(into_model=False)  # every round is whole here: this applies the exchanges in flight
     if rank == 0:
         names = [name for name, _ in model.named_parameters()]
         torch.save(dict(zip(names, diloco.theta, strict=True)), out)

@@ -194,6 +194,11 @@ def test_finish_ends_a_round_in_progress_so_no_step_is_lost():
         assert diloco.inner_step == 6 and diloco.round_step == 0
         for got, want in zip(diloco.theta, reference.parameters(), strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # θ holds all six steps
+        theta = [t.clone() for t in diloco.theta]
+        diloco.finish()  # a second finish is nothing
+        assert _same(theta, diloco.theta) and diloco.inner_step == 6
+        with diloco, pytest.raises(RuntimeError, match="finish"):
+            _train(model, optimizer, diloco, 1)  # its process group is let go of: no more training
 
 
 def test_a_step_whose_end_never_came_is_closed_at_the_next_one():

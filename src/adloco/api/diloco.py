@@ -112,6 +112,7 @@ class DiLoCo:
         self._state = self._new_round()
         self._hooks: list[Any] = []
         self.last_round: RoundState | None = None  # the round that ended last, with every worker's report
+        self._finished = False
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def __enter__(self) -> DiLoCo:
@@ -142,6 +143,7 @@ class DiLoCo:
     def before_step(self) -> None:
         """Between backward and the optimizer step: the strategy's exchange there (DDP's gradient mean) and the
         health of this step's gradients; a worker out of its round takes no optimizer step."""
+        self._check_running()
         record = self._state.local[self.rank]
         if len(record.steps) > self.round_step:  # the last step never reached its end: a loss scaler skipped it
             self._after_step()
@@ -152,6 +154,10 @@ class DiLoCo:
         if self.rank not in stepping:
             for p in self.params:
                 p.grad = None  # a torch optimizer leaves a parameter without a gradient alone
+
+    def _check_running(self) -> None:
+        if self._finished:
+            raise RuntimeError("DiLoCo.finish() ended this training: make a new DiLoCo to train on")
 
     @property
     def round_step(self) -> int:
@@ -168,6 +174,7 @@ class DiLoCo:
         record.steps.append(SKIPPED_STEP if record.out else StepRecord(loss=math.nan, tokens=0, finite=finite))
 
     def _after_step(self) -> None:
+        self._check_running()
         if len(self._state.local[self.rank].steps) == self.round_step:  # no before_step: nothing to check then
             if self.config.method == "ddp":
                 raise RuntimeError("method='ddp' averages gradients before the optimizer step: use `with diloco:`")
@@ -195,7 +202,9 @@ class DiLoCo:
     def finish(self, into_model: bool = True) -> None:
         """End of training (every rank, after the same number of steps): a round in progress ends here as a shorter
         one, the exchanges in flight are applied, and (``into_model``) the model is set to θ, the model DiLoCo
-        trained."""
+        trained. The exchange's process group is let go of here: nothing of this object holds it afterwards."""
+        if self._finished:
+            return
         if len(self._state.local[self.rank].steps) > self.round_step:  # a last step a loss scaler skipped
             self._after_step()
         if self.round_step > 0:
@@ -203,6 +212,10 @@ class DiLoCo:
         self.flush()
         if into_model:
             self.workers[self.rank].load_params(self.trainer.theta)
+        # The exchanges' callbacks ran on gloo's threads; a group handle released last by one of them would be
+        # destroyed there, and its destructor joining its own thread aborts the process.
+        self.comm.close()
+        self._finished = True
 
     def _fingerprint(self) -> list[float]:
         """What every rank must agree on: the method, H, fragments, codec, each rank's model shapes and dtypes."""

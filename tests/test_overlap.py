@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from adloco.algorithms.batch_tests import BatchSizeController
+from adloco.batch.policy import TrainerBatch
 from adloco.comm import LocalCommunicator
 from adloco.config import ConfigError, build_config
 from adloco.metrics import read_metrics
@@ -27,7 +28,8 @@ class _Slot:
 def _eager_strategy(theta):
     """The eager strategy over two in-process workers, outer SGD lr 1 without momentum."""
     config = build_config(overrides=["method=diloco", "outer.overlap=eager", "outer.lr=1.0", "outer.momentum=0.0"])
-    trainer = Trainer(0, theta, [0, 1], 1, 1.0, 0.0, False, BatchSizeController(test="constant", b_cap=1))
+    batch = TrainerBatch(1, BatchSizeController(test="constant", b_cap=1))
+    trainer = Trainer(0, theta, [0, 1], batch, 1.0, 0.0, False)
     comm = LocalCommunicator()
     slots = {0: _Slot(theta), 1: _Slot(theta)}
     sync = OverlappedSync(config, comm, {0: trainer}, slots, DeltaExchange(comm, None, False, [0, 1]), eager=True)

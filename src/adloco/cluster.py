@@ -11,17 +11,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adloco.algorithms.batch_tests import BatchSizeController, average_statistics
-from adloco.algorithms.controller import StepCost, TimeAwareController
+from adloco.algorithms.controller import StepCost
 from adloco.algorithms.fragments import assign_fragments
 from adloco.algorithms.merge import merge_weights, merged_batch_size, select_merge_group, weighted_average
-from adloco.algorithms.schedules import LR_EXPONENTS, BatchCoupling
 from adloco.algorithms.sharding import local_shard
 from adloco.algorithms.shares import balanced_split, sample_weights
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
+from adloco.batch.policy import TrainerBatch, pace_for
 from adloco.checkpoint import CheckpointError
 from adloco.comm.base import Communicator
-from adloco.config import BatchConfig, ConfigError, TrainConfig
+from adloco.config import ConfigError, TrainConfig
 from adloco.pace import CostModel, Pace, time_steps, timed_batches
 from adloco.placement import placement, rank_placement
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
@@ -107,16 +106,6 @@ def resolve_b_max(
         raise ConfigError(f"batch: not even one sample fits in {budget / 2**20:.0f} MiB at context {context}")
     log.info("b_max probe on %s: %d samples per micro-batch fit in %.0f MiB", device, found, budget / 2**20)
     return found
-
-
-def batch_coupling(batch: BatchConfig) -> BatchCoupling:
-    """How a trainer's inner lr and AdamW β2 follow its batch size, as ``batch`` configures it."""
-    return BatchCoupling(
-        b_start=batch.size,
-        lr_exponent=LR_EXPONENTS[batch.lr_scaling],
-        lr_cap=batch.lr_scale_max,
-        scale_beta2=batch.beta2_scaling,
-    )
 
 
 class Cluster:
@@ -212,37 +201,16 @@ class Cluster:
     def _trainer(
         self, trainer_id: int, template: torch.nn.Module, worker_ids: list[int], fragments: list[list[int]] | None
     ) -> Trainer:
-        config, batch = self.config, self.config.batch
-        controller = BatchSizeController(
-            test=batch.test,
-            eta=batch.eta,
-            theta=batch.theta,
-            nu=batch.nu,
-            ema=batch.ema,
-            b_min=batch.b_min,
-            b_cap=batch.b_cap,
-            allow_shrink=batch.allow_shrink,
-        )
+        config = self.config
         return Trainer(
             trainer_id,
             [local_shard(p.detach(), self.comm.shard, self.comm.shards) for p in template.parameters()],
             worker_ids,
-            batch_size=batch.size,
+            TrainerBatch.from_config(config.batch),
             outer_lr=config.outer.lr,
             outer_momentum=config.outer.momentum,
             nesterov=bool(config.outer.nesterov),
-            controller=controller,
             fragments=fragments,
-            timed=TimeAwareController(
-                b_min=batch.b_min,
-                b_cap=batch.b_cap,
-                patience=batch.patience,
-                max_growth=batch.max_growth,
-                allow_shrink=batch.allow_shrink,
-            )
-            if batch.controller == "time"
-            else None,
-            coupling=batch_coupling(batch),
         )
 
     def _worker(self, worker_id: int, template: torch.nn.Module) -> Worker:
@@ -341,7 +309,7 @@ class Cluster:
         samples = {w: round_samples[w] for w in self.workers}
         state.weights = self.sample_weights(round_samples)
         planned_tokens = sum(round_samples.values()) * self.context  # tokens_per_step() of this plan
-        lr_scale = {w: self.owner(w).lr_scale for w in self.workers}  # b_req holds still through a round
+        lr_scale = {w: self.owner(w).batch.lr_scale for w in self.workers}  # b_req holds still through a round
         for trainer in self.trainers.values():
             trainer.couple_inner_optimizers(self.workers)
         for step in range(steps):
@@ -474,25 +442,17 @@ class Cluster:
             return
         for trainer in self.sync.taking_part():
             reports = [state.reports[w] for w in trainer.worker_ids]
-            if any(r.out for r in reports):
-                continue  # a partial measurement is not a measurement
-            if self.config.batch.estimator == "cross_worker":
+            if self.config.batch.estimator != "cross_worker":
+                trainer.batch.decide_from_reports(reports, self._pace(trainer, tokens_left))
+            elif not any(r.out for r in reports):  # a partial measurement is not a measurement
                 statistics = trainer.cross_worker_statistics(self.comm, self.workers)
-            elif any(r.statistics is None for r in reports):
-                continue
-            else:
-                statistics = average_statistics([r.statistics for r in reports if r.statistics is not None])
-            trainer.decide_batch(statistics, self._pace(trainer, tokens_left))
+                trainer.batch.decide(statistics, len(reports), self._pace(trainer, tokens_left))
 
     def _pace(self, trainer: Trainer, tokens_left: int | None) -> Pace | None:
-        """The costs a time-aware decision weighs; b grows only while the budget holds batch.min_steps_left steps."""
-        if self.costs is None or self.config.batch.controller != "time":
-            return None
-        limit = None
-        if tokens_left is not None:
-            limit = tokens_left // (self.config.batch.min_steps_left * self.context * self.config.total_workers)
-        cost = self.costs.trainer_cost(trainer.worker_ids, balanced=self.config.batch.shares == "speed")
-        return Pace(cost, self.costs.round_seconds, self.inner_steps_per_round(), limit)
+        # H as it stands now: trainers decided earlier in this round already count with their new b
+        config = self.config
+        return pace_for(config.batch, self.costs, trainer.worker_ids, self.inner_steps_per_round(), tokens_left,
+                        self.context, config.total_workers)  # fmt: skip
 
     def _report(self, state: RoundState) -> RoundReport:
         """The round in numbers, from every worker's report (so every rank writes the same)."""
@@ -516,7 +476,8 @@ class Cluster:
             if any(not any(state.reports[w].steps[s].finite for w in t.worker_ids) for s in range(state.steps))
         ]
         if state.statistics_due:
-            report.batch = {k: record for k, t in self.trainers.items() if (record := t.decision_record()) is not None}
+            records = {k: t.batch.decision_record() for k, t in self.trainers.items()}
+            report.batch = {k: record for k, record in records.items() if record is not None}
         return report
 
     def flush(self) -> None:

@@ -696,8 +696,8 @@ def _round_record(
         eval_seconds=eval_seconds,
         seconds=counters["seconds"],
         batch={k: t.batch_size for k, t in cluster.trainers.items()},
-        lr_scale={k: t.lr_scale for k, t in cluster.trainers.items()},
-        beta2={k: t.coupling.beta2(run.config.inner.beta2, t.batch_size) for k, t in cluster.trainers.items()},
+        lr_scale={k: t.batch.lr_scale for k, t in cluster.trainers.items()},
+        beta2={k: t.batch.beta2(run.config.inner.beta2) for k, t in cluster.trainers.items()},
         batch_test=report.batch or None,
         plan={
             k: {"micro": p.micro, "accum": p.accum, "samples": p.samples, "mode": p.mode} for k, p in plan.plans.items()

@@ -176,14 +176,14 @@ class Worker:
 
         sizes = split_evenly(batch, min(batch, stats_groups))
         grouped = GroupedGradient(sizes, sum(p.numel() for p in self.params), gram, self.device)
-        loss = 0.0
-        start = 0
-        for size in sizes:
+
+        def backward_group(start: int, size: int) -> float:
             self.optimizer.zero_grad(set_to_none=True)
             group_loss = self._backward_samples(data, start, start + size, size, b_max)
             grouped.add(self._flat_gradient(), size)
-            loss += group_loss * size / batch
-            start += size
+            return group_loss
+
+        loss = backward_in_groups(sizes, backward_group)
         self._set_flat_gradient(grouped.total)
         if keep_gradient:
             self.last_gradient = grouped.total.clone()
@@ -328,3 +328,16 @@ def backward_in_micro_batches(
         loss_sum = loss_sum + loss.detach().double().cpu() * size
         offset += size
     return loss_sum / max(count, 1)
+
+
+def backward_in_groups(sizes: Sequence[int], backward_group: Callable[[int, int], float]) -> float:
+    """A statistics step's backward, group after group of the step's samples (``backward_group(start, size)``
+    runs one group and takes its gradient); the step's mean loss, weighted as the groups' sizes are."""
+    batch = sum(sizes)
+    loss = 0.0
+    start = 0
+    for size in sizes:
+        group_loss = backward_group(start, size)
+        loss += group_loss * size / batch
+        start += size
+    return loss

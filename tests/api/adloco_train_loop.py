@@ -7,7 +7,9 @@ AdamW as the command line does, then trains its own loop: loss, backward, clippi
 Rank 0 writes θ by parameter name into OUT (torch.save), to be compared with the exported model of
 ``adloco train``. ``--stop-after=N`` stops after N inner steps with every rank's own checkpoint (model, optimizer,
 stream, DiLoCo) in ``OUT.rank<r>``; a launch with the same OUT then resumes from it. ``--own-group``: DiLoCo
-exchanges over a process group the loop made rather than the default group.
+exchanges over a process group the loop made rather than the default group. With ``method=adloco`` the loop asks
+``diloco.batch`` how many samples each step reads, lets it run the backward (groups on a statistics step) and
+ends its last, shorter round with ``finish``, as ``adloco train`` ends on its token budget.
 """
 
 import math
@@ -46,10 +48,18 @@ def main(out: str, args: list[str]) -> None:
     if config.method != "streaming":
         sections.pop("streaming")
     group = dist.new_group(list(range(world))) if "--own-group" in args else None  # a group the user made
+    if config.method == "adloco":
+        sections["batch"] = config.batch.model_dump()
     diloco = DiLoCo(
         model, optimizer, config.sync_every, config.method, codec=config.codec.model_dump(), process_group=group,
-        **sections,
+        total_samples=config.total_tokens // task.context, **sections,
     )  # fmt: skip
+    if diloco.batch is not None:
+        _adaptive_rounds(config, task, model, optimizer, stream, diloco, world)
+        if rank == 0:
+            names = [name for name, _ in model.named_parameters()]
+            torch.save(dict(zip(names, diloco.theta, strict=True)), out)
+        return
 
     per_step = world * config.batch.size * task.context
     mine = Path(f"{out}.rank{rank}")
@@ -80,6 +90,31 @@ def main(out: str, args: list[str]) -> None:
     if rank == 0:
         names = [name for name, _ in model.named_parameters()]
         torch.save(dict(zip(names, diloco.theta, strict=True)), out)
+
+
+def _adaptive_rounds(config, task, model, optimizer, stream, diloco, world: int) -> None:
+    """Rounds whose batch the adaptive batch decides; the budget cut as adloco train cuts it, in tokens."""
+    inner, batch, tokens_before, step = config.inner, diloco.batch, 0, 0
+    with diloco:
+        while tokens_before < config.total_tokens:
+            per_step = world * batch.plan.samples * task.context
+            steps = min(config.sync_every, math.ceil((config.total_tokens - tokens_before) / per_step))
+            read = 0  # tokens: a statistics step may read more samples than planned; the budget counts them
+            for round_step in range(steps):
+                inputs, targets = stream.next_batch(batch.samples)
+                read += world * inputs.numel()
+                optimizer.zero_grad(set_to_none=True)
+                batch.backward(lambda x, y: task.loss(model, x, y), inputs, targets)
+                if inner.clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), inner.clip, foreach=False)
+                fraction = (tokens_before + round_step * per_step) / config.total_tokens
+                lr = inner_lr(step, fraction, inner.lr, inner.min_lr, inner.warmup_steps)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
+                step += 1
+            tokens_before += read
+    diloco.finish(into_model=False)  # a last round the budget cut short ends here, as adloco train's does
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from adloco import DiLoCo
 from adloco.config import ConfigError
 from adloco.config_input import layered
 from tests.comm.test_distributed import _env, _free_port, _torchrun
-from tests.conftest import final_params
+from tests.conftest import PINNED_PACE, final_params
 
 LOOP = Path(__file__).with_name("adloco_train_loop.py")
 SETTINGS = [
@@ -49,8 +49,14 @@ def _loop(tmp_path: Path, out: Path, settings: list[str], *flags: str) -> None:
         ([*STREAMING_FP4, "total_tokens=1280"], [], 9),
         # the loop clips before the hook averages the gradients, adloco train after: without clipping they agree
         (["method=ddp", "inner.clip=null", "total_tokens=512"], [], None),
+        # the adaptive batch: the time-aware controller on pinned costs grows b; the budget cuts the last round
+        (
+            ["method=adloco", "sync_every=2", "batch.size=1", "batch.b_cap=64", *PINNED_PACE, "total_tokens=2000"],
+            [],
+            None,
+        ),
     ],
-    ids=["diloco-own-group", "streaming-fp4-ef-resumed-mid-round", "ddp"],
+    ids=["diloco-own-group", "streaming-fp4-ef-resumed-mid-round", "ddp", "adloco-time-controller"],
 )
 def test_a_plain_loop_with_diloco_ends_on_the_bits_of_adloco_train(tmp_path, method, flags, stop_after):
     """Two torchrun ranks; the loop reads the samples adloco train's workers read (the first case over a process
@@ -170,8 +176,8 @@ def test_bad_use_is_one_clear_error():
         DiLoCo(model, torch.optim.SGD(_model(1).parameters(), lr=0.1))
     with pytest.raises(ConfigError, match="streaming"):
         DiLoCo(model, optimizer, sync_every=5, method="streaming", streaming={"fragments": 2})
-    with pytest.raises(ConfigError, match="method: 'adloco' is not one of"):
-        DiLoCo(model, optimizer, method="adloco")
+    with pytest.raises(ConfigError, match="method: 'hivemind' is not one of"):
+        DiLoCo(model, optimizer, method="hivemind")
     with pytest.raises(ConfigError, match="unknown key 'outer.lrr'"):
         DiLoCo(model, optimizer, outer={"lrr": 0.7})
     with pytest.raises(ValueError, match="torch.distributed is not initialised"):

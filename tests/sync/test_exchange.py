@@ -4,6 +4,7 @@ import torch
 
 from adloco.algorithms.batch_tests import BatchSizeController
 from adloco.algorithms.codecs import get_codec
+from adloco.batch.policy import TrainerBatch
 from adloco.comm import LocalCommunicator
 from adloco.sync import DeltaExchange, WorkerRound
 from adloco.trainer import Trainer
@@ -15,7 +16,9 @@ class _Slot:
 
 
 def _trainer():
-    return Trainer(0, [torch.zeros(4)], [0, 1, 2], 1, 1.0, 0.0, False, BatchSizeController(test="constant", b_cap=1))
+    return Trainer(
+        0, [torch.zeros(4)], [0, 1, 2], TrainerBatch(1, BatchSizeController("constant", b_cap=1)), 1.0, 0.0, False
+    )
 
 
 def _reports(out):

@@ -18,13 +18,15 @@ import torch
 from adloco.algorithms.batch_tests import BatchSizeController
 from adloco.algorithms.flat import finite_rows
 from adloco.algorithms.outer import OuterFactory
+from adloco.api.adaptive import AdaptiveBatch
+from adloco.batch.policy import TrainerBatch
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.config import ConfigError, TrainConfig, build_config
 from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build_strategy
 from adloco.sync.rounds import SKIPPED_STEP
 from adloco.trainer import Trainer
 
-METHODS = ("diloco", "localsgd", "streaming", "ddp")
+METHODS = ("diloco", "localsgd", "streaming", "ddp", "adloco")
 _STATE_KEY = "adloco_diloco"
 
 
@@ -54,7 +56,7 @@ def loop_settings(method: str, sync_every: int, world_size: int, sections: dict[
     """The settings of a user's loop, validated exactly as ``adloco train`` validates its config (the same keys,
     defaults per method and one-line errors)."""
     if method not in METHODS:
-        raise ConfigError(f"method: {method!r} is not one of {', '.join(METHODS)} (AdLoCo's batch is its own object)")
+        raise ConfigError(f"method: {method!r} is not one of {', '.join(METHODS)}")
     given = {name: dict(value) for name, value in sections.items() if value is not None}
     return build_config({"method": method, "sync_every": sync_every, "workers": world_size, **given})
 
@@ -85,6 +87,8 @@ class DiLoCo:
         outer_optimizer: OuterFactory | None = None,
         process_group: Any = None,
         check_finite: bool = True,
+        batch: dict[str, Any] | None = None,
+        total_samples: int | None = None,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -93,7 +97,7 @@ class DiLoCo:
             raise ValueError(f"method={method!r} has no outer optimizer of its own to replace; use method='diloco'")
         self.comm = _communicator(process_group, self.params[0].device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        sections = {"outer": outer, "streaming": streaming, "codec": codec}
+        sections = {"outer": outer, "streaming": streaming, "codec": codec, "batch": batch}
         self.config = loop_settings(method, sync_every, self.world_size, sections)
         assert self.config.sync_every is not None
         self.sync_every = self.config.sync_every
@@ -108,6 +112,10 @@ class DiLoCo:
         self.sync: SyncStrategy = build_strategy(
             self.config, self.comm, {0: self.trainer}, self.workers, outer_optimizer
         )
+        self.batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
+        if self.config.method == "adloco" or batch is not None:
+            self.batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.world_size, self.sync_every,
+                                       total_samples)  # fmt: skip
         self.inner_step = 0  # inner steps taken since the start, over every round
         self._state = self._new_round()
         self._hooks: list[Any] = []
@@ -154,6 +162,8 @@ class DiLoCo:
         if self.rank not in stepping:
             for p in self.params:
                 p.grad = None  # a torch optimizer leaves a parameter without a gradient alone
+        if self.batch is not None:
+            self.batch.scale_lr()
 
     def _check_running(self) -> None:
         if self._finished:
@@ -167,6 +177,9 @@ class DiLoCo:
     def _new_round(self) -> RoundState:
         state = RoundState(self.inner_step // self.sync_every, self.sync_every, self.inner_step, False)
         state.local = {self.rank: WorkerRound()}
+        if self.batch is not None:
+            self.batch.start_round(state.index)
+            state.statistics_due = self.batch.statistics_due
         return state
 
     def _record(self, finite: bool) -> None:
@@ -178,7 +191,11 @@ class DiLoCo:
         if len(self._state.local[self.rank].steps) == self.round_step:  # no before_step: nothing to check then
             if self.config.method == "ddp":
                 raise RuntimeError("method='ddp' averages gradients before the optimizer step: use `with diloco:`")
+            if self.batch is not None and self.batch.lr_scale != 1.0:
+                raise RuntimeError("the batch's lr factor applies before the optimizer step: use `with diloco:`")
             self._record(finite=True)
+        if self.batch is not None:
+            self.batch.after_step(self._state.local[self.rank])
         self.sync.after_inner_step(self._state, self.round_step)
         self.inner_step += 1
         if self.round_step >= self.sync_every:
@@ -189,7 +206,12 @@ class DiLoCo:
         record = state.local[self.rank]
         if not record.out and not _finite(self.params):  # a step outside the hooks may have diverged
             record.out = True
+        steps = self.round_step
+        if self.batch is not None:
+            self.batch.stamp(state, self.rank, steps)
         self.sync.end_of_round(state)
+        if self.batch is not None:
+            self.batch.after_round(state, steps)
         if record.out:
             self.optimizer.state.clear()  # it restarts from θ (the strategy saw to that); its moments may hold NaN
         self.last_round = state
@@ -240,6 +262,7 @@ class DiLoCo:
             "pending": self.sync.state_dict(),
             "worker": self.sync.worker_state(self.rank),
             "round": self._state.local[self.rank].to_tensor(),
+            "batch": None if self.batch is None else self.batch.state_dict(),
         }
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -260,9 +283,13 @@ class DiLoCo:
         self.sync.load_worker_state(self.rank, state["worker"])
         self.workers[self.rank].load_params(drifted)
         self.inner_step = int(state["inner_step"])
+        in_progress = WorkerRound.from_tensor(state["round"])
         self._state = self._new_round()
-        self._state.first_step = self.inner_step - len(WorkerRound.from_tensor(state["round"]).steps)
-        self._state.local[self.rank] = WorkerRound.from_tensor(state["round"])
+        self._state.first_step = self.inner_step - len(in_progress.steps)
+        self._state.local[self.rank] = in_progress
+        if self.batch is not None:
+            self.batch.load_state_dict(state["batch"])  # the round's plan and β2 follow the batch it holds
+            self.batch.first_step = self.round_step == 0
 
     def _settings(self) -> dict[str, Any]:
         """What a saved state only fits: the method, H and the exchange's shape."""
@@ -274,6 +301,9 @@ class DiLoCo:
             "overlap": config.outer.overlap,
             "codec": config.codec.name,
             "error_feedback": config.codec.error_feedback,
+            **(
+                {} if self.batch is None else {"batch": (config.batch.size, config.batch.test, config.batch.controller)}
+            ),
         }
 
 
@@ -334,11 +364,10 @@ def _trainer(
         0,
         [p.detach() for p in params],
         list(range(workers)),
-        batch_size=1,  # the loop's own; a constant policy never reads it
+        TrainerBatch(1, BatchSizeController("constant", b_cap=1)),  # the loop's own batch; a constant one
         outer_lr=outer.lr,
         outer_momentum=outer.momentum,
         nesterov=bool(outer.nesterov),
-        controller=BatchSizeController("constant", b_cap=1),
         fragments=parameter_fragments(config, names),
         outer_factory=factory,
     )

@@ -1,0 +1,273 @@
+"""AdLoCo's adaptive batch in a user's own loop: the batch of the next round, measured from the loop's own loss.
+
+``DiLoCo(..., method="adloco")`` holds one: each round it tells the loop how many samples an inner step reads
+and in which micro-batches (switch mode), runs the loop's loss over the groups of the round's first step (the
+microbatch estimator: two scalars per worker, carried by the round's own exchange), and at the round's end
+decides the next batch with the very policy ``adloco train`` runs (``adloco.batch``). The inner lr and AdamW β2 of
+the user's optimizer follow the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from adloco.algorithms.batch_tests import GroupedGradient
+from adloco.algorithms.controller import StepCost, fit_step_cost
+from adloco.algorithms.flat import flatten, unflatten
+from adloco.algorithms.switch import plan_micro_batches, split_evenly
+from adloco.batch.policy import TrainerBatch, pace_for
+from adloco.config import BatchConfig, ConfigError
+from adloco.pace import CostModel
+from adloco.sync import RoundState, WorkerRound
+from adloco.worker import backward_in_groups, backward_in_micro_batches
+
+
+class AdaptiveBatch:
+    """One rank's view of its trainer's adaptive batch (every rank of the job is one worker of one trainer).
+
+    ``samples``: what the coming inner step reads; ``plan``: the round's micro-batches; ``backward(loss_fn,
+    *tensors)``: the step's backward over those samples, in micro-batches and, on a statistics step, in groups;
+    ``sampler(n)``: a ``torch.utils.data`` batch sampler that reads ``samples`` indices per step.
+    """
+
+    def __init__(
+        self,
+        batch: BatchConfig,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[torch.Tensor],
+        world_size: int,
+        sync_every: int,
+        total_samples: int | None = None,
+    ) -> None:
+        _check_supported(batch)
+        self.config, self.optimizer, self.params = batch, optimizer, list(params)
+        self.world_size, self.sync_every, self.total_samples = world_size, sync_every, total_samples
+        self.policy = TrainerBatch.from_config(batch)
+        self.b_max = batch.b_max or batch.b_cap  # no probe of the user's model: given, or the test's cap
+        self.costs = _pinned_costs(batch, world_size)
+        self.samples_done = 0  # samples the rounds that ended read, over every worker (the budget's count)
+        self.samples_read = 0  # by this worker in the round in progress
+        self.base_beta2 = [group["betas"][1] if "betas" in group else None for group in optimizer.param_groups]
+        self.plan = plan_micro_batches(self.policy.size, self.b_max, batch.switch_factor)
+        self.statistics_due = False
+        self.first_step = True  # of the round in progress
+        self.statistics = None
+        self.compute_seconds = 0.0
+        self._round_started = time.perf_counter()
+        self._lrs: list[float] | None = None
+
+    # -- the round -----------------------------------------------------------------------------------------------
+    def start_round(self, round_index: int) -> None:
+        """A round begins: its plan, whether its first step measures, and β2 for its batch (b holds still)."""
+        self.statistics_due = round_index % self.config.test_every == 0
+        self.first_step, self.statistics, self.compute_seconds, self.samples_read = True, None, 0.0, 0
+        self._round_started = time.perf_counter()
+        self._follow_batch()
+
+    def _follow_batch(self) -> None:
+        self.plan = plan_micro_batches(self.policy.size, self.b_max, self.config.switch_factor)
+        for group, base in zip(self.optimizer.param_groups, self.base_beta2, strict=True):
+            if base is not None:
+                group["betas"] = (group["betas"][0], self.policy.beta2(base))
+
+    @property
+    def size(self) -> int:
+        """b_req: the samples per worker per inner step the batch test asks for."""
+        return self.policy.size
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the coming step is the round's statistics step (its samples split into groups)."""
+        return self.statistics_due and self.first_step
+
+    @property
+    def samples(self) -> int:
+        """Samples the coming inner step reads on this rank: the plan's (at least 2 on a statistics step)."""
+        return max(self.plan.samples, 2) if self.measuring else self.plan.samples
+
+    @property
+    def lr_scale(self) -> float:
+        """The factor on the inner lr at the current batch (applied around each optimizer step)."""
+        return self.policy.lr_scale
+
+    def backward(self, loss_fn: Callable[..., torch.Tensor], *data: torch.Tensor) -> float:
+        """The step's gradient, the mean over the samples in ``data`` (first dimension), in micro-batches of at
+        most b_max: ``loss_fn(*slices)`` is the mean loss of the samples in ``slices``. On the round's statistics
+        step the samples are split into groups whose gradients give the batch test its statistics. The mean
+        loss."""
+        begun = time.perf_counter()
+        batch = data[0].size(0)
+        self.samples_read += batch
+
+        def loss_of(offset: int, size: int) -> torch.Tensor:
+            return loss_fn(*(t[offset : offset + size] for t in data))
+
+        if not self.measuring:
+            loss = float(backward_in_micro_batches(loss_of, 0, batch, batch, self.b_max))
+        else:
+            loss = self._measured_backward(loss_of, batch)
+        self.first_step = False
+        self.compute_seconds += time.perf_counter() - begun
+        return loss
+
+    def _measured_backward(self, loss_of: Callable[[int, int], torch.Tensor], batch: int) -> float:
+        sizes = split_evenly(batch, min(batch, self.config.groups))
+        gram = self.config.test == "inner_product"
+        grouped = GroupedGradient(sizes, sum(p.numel() for p in self.params), gram, self.params[0].device)
+
+        def backward_group(start: int, size: int) -> float:
+            for p in self.params:
+                p.grad = None
+            loss = float(backward_in_micro_batches(loss_of, start, start + size, size, self.b_max))
+            grouped.add(flatten([torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]), size)
+            return loss
+
+        loss = backward_in_groups(sizes, backward_group)
+        with torch.no_grad():
+            for p, g in zip(self.params, unflatten(grouped.total, self.params), strict=True):
+                p.grad = g.to(p.device, copy=True)
+        self.statistics = grouped.statistics()
+        return loss
+
+    def scale_lr(self) -> None:
+        """Before the optimizer step: the inner lr × the batch's factor (the loop's own schedule stays its own)."""
+        self._lrs = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * self.lr_scale
+
+    def restore_lr(self) -> None:
+        if self._lrs is not None:
+            for group, lr in zip(self.optimizer.param_groups, self._lrs, strict=True):
+                group["lr"] = lr
+            self._lrs = None
+
+    def after_step(self, record: WorkerRound) -> None:
+        """The optimizer step is done: the loop's lr back, and a statistics step's measurement into the worker's
+        round report (a non-finite step measured nothing), which the round's exchange carries to every rank."""
+        self.restore_lr()
+        self.first_step = False
+        if self.statistics is not None and record.steps and record.steps[-1].finite and not record.out:
+            record.statistics = self.statistics
+        self.statistics = None
+
+    def stamp(self, state: RoundState, rank: int, steps: int) -> None:
+        """This worker's timings into its round report (a time-aware controller's measured costs)."""
+        record = state.local[rank]
+        record.step_seconds = self.compute_seconds / max(steps, 1)
+        record.overhead_seconds = max(0.0, time.perf_counter() - self._round_started - self.compute_seconds)
+
+    def after_round(self, state: RoundState, steps: int) -> None:
+        """The round's end (every report in): the next batch, decided alike on every rank."""
+        reports = [state.reports[w] for w in range(self.world_size)]
+        if self.costs is None and self.config.controller == "time":
+            self.costs = _measured_costs(self.config, reports, self.plan.samples)
+        if state.statistics_due:  # the budget left after this round as planned (what it read counts from the next)
+            planned = self.samples_done + steps * self.plan.samples * self.world_size
+            left = None if self.total_samples is None else self.total_samples - planned
+            pace = pace_for(self.config, self.costs, range(self.world_size), self.sync_every, left, 1, self.world_size)
+            self.policy.decide_from_reports(reports, pace)
+        self.samples_done += self.samples_read * self.world_size  # every worker reads as many (equal shares)
+        if self.costs is not None:
+            self.costs.learn(dict(enumerate(reports)), dict.fromkeys(range(self.world_size), self.plan.samples))
+
+    @property
+    def last_decision(self) -> dict | None:
+        """The last round's batch test and controller decision, as ``adloco train`` logs them."""
+        return self.policy.decision_record()
+
+    # -- data ----------------------------------------------------------------------------------------------------
+    def sampler(self, dataset_size: int, seed: int = 0, shuffle: bool = True) -> BatchSampler:
+        """A batch sampler (``DataLoader(dataset, batch_sampler=...)``) whose every batch is the coming step's
+        ``samples`` indices; epochs follow one another without end. Give each rank its own ``seed``."""
+        return BatchSampler(self, dataset_size, seed, shuffle)
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy.state_dict(),
+            "costs": None if self.costs is None else self.costs.state_dict(),
+            "samples_done": self.samples_done,
+            "samples_read": self.samples_read,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state["policy"])
+        if state["costs"] is not None:
+            base = {int(w): StepCost(*c) for w, c in state["costs"]["base"].items()}
+            self.costs = self.costs or CostModel(base, self.config.step_seconds is None, self.config.round_seconds)
+            self.costs.load_state_dict(state["costs"])
+        self.samples_done, self.samples_read = int(state["samples_done"]), int(state["samples_read"])
+        self._follow_batch()
+
+
+class BatchSampler(torch.utils.data.Sampler):
+    """Index lists of the size the adaptive batch asks for at each step, over shuffled epochs of a dataset (each
+    epoch's order from ``seed`` and its number, so ``state_dict`` resumes the order exactly). It asks when the
+    loader asks for the next batch: use it with ``num_workers=0``, or a prefetching loader reads ahead of b."""
+
+    def __init__(self, batch: AdaptiveBatch, dataset_size: int, seed: int, shuffle: bool) -> None:
+        if dataset_size < 1:
+            raise ValueError("the dataset is empty")
+        self.batch, self.dataset_size, self.seed, self.shuffle = batch, dataset_size, seed, shuffle
+        self.epoch, self.position = 0, 0  # indices of the epoch already handed out
+        self._order: tuple[int, list[int]] | None = None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            indices: list[int] = []
+            want = self.batch.samples
+            while len(indices) < want:  # a step may span an epoch's end: the next epoch follows on
+                taken = self._epoch_order()[self.position : self.position + want - len(indices)]
+                indices += taken
+                self.position += len(taken)
+                if self.position == self.dataset_size:
+                    self.epoch, self.position = self.epoch + 1, 0
+            yield indices
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None or self._order[0] != self.epoch:
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+                order = torch.randperm(self.dataset_size, generator=generator).tolist()
+            else:
+                order = list(range(self.dataset_size))
+            self._order = (self.epoch, order)
+        return self._order[1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def _check_supported(batch: BatchConfig) -> None:
+    if batch.estimator != "microbatch":
+        raise ConfigError("batch.estimator: a user's loop measures with 'microbatch' (cross_worker is adloco train's)")
+    if batch.shares != "equal" or batch.keep_round_time:
+        raise ConfigError("batch: shares=speed and keep_round_time are adloco train's (one worker per rank here)")
+
+
+def _pinned_costs(batch: BatchConfig, world_size: int) -> CostModel | None:
+    """Step costs pinned in ``batch.step_seconds`` (a worker per rank), or None: measured after the first round."""
+    if batch.controller != "time" or batch.step_seconds is None:
+        return None
+    if isinstance(batch.step_seconds, list):  # one [a, c] per worker
+        if len(batch.step_seconds) != world_size:
+            raise ConfigError(f"batch.step_seconds: {len(batch.step_seconds)} workers given, the job has {world_size}")
+        return CostModel({w: StepCost(*c) for w, c in enumerate(batch.step_seconds)}, False, batch.round_seconds)
+    return CostModel(dict.fromkeys(range(world_size), StepCost(*batch.step_seconds)), False, batch.round_seconds)
+
+
+def _measured_costs(batch: BatchConfig, reports: Sequence[Any], samples: int) -> CostModel:
+    """Each worker's step cost from the first round's own steps (proportional to b until later rounds correct it)."""
+    base = {}
+    for w, report in enumerate(reports):
+        seconds = report.step_seconds if math.isfinite(report.step_seconds) else 0.0
+        base[w] = fit_step_cost([(samples, seconds)])
+    return CostModel(base, True, batch.round_seconds)

@@ -36,3 +36,11 @@ def test_the_lightning_example_trains_with_diloco(tmp_path):
     out = _torchrun_example("lightning_fit.py", "--steps", "20", "--sync-every", "5", cwd=tmp_path)
     loss = re.search(r"^diloco: val loss (\d+\.\d+)$", out, re.M)
     assert loss is not None and 0 < float(loss.group(1)) < 5.6, out[-2000:]
+
+
+def test_the_adaptive_loop_example_trains_with_adloco(tmp_path):
+    out = _torchrun_example("adaptive_loop.py", "--tokens", "6144", "--sync-every", "4", "--batch", "2",
+                            "--controller", "test", cwd=tmp_path)  # fmt: skip
+    match = re.fullmatch(r"adloco: val loss (\d+\.\d+), ([\d,]+) tokens/s, b 2 -> (\d+)\n", out)
+    assert match is not None, out
+    assert 0 < float(match.group(1)) < 5.6 and int(match.group(3)) >= 2  # b never shrinks by default

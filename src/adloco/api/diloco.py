@@ -241,7 +241,9 @@ class DiLoCo:
 
     def _fingerprint(self) -> list[float]:
         """What every rank must agree on: the method, H, fragments, codec, each rank's model shapes and dtypes."""
-        settings = (self.config.method, self.sync_every, self.config.streaming.fragments, self.config.codec.name)
+        config = self.config
+        batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.b_max)
+        settings = (config.method, self.sync_every, config.streaming.fragments, config.codec.name, batch)
         model = tuple((tuple(p.shape), str(p.dtype)) for p in self.params)
         return [float(len(self.params)), float(sum(p.numel() for p in self.params)), _digest(settings), _digest(model)]
 

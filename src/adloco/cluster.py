@@ -24,7 +24,6 @@ from adloco.config import ConfigError, TrainConfig
 from adloco.pace import CostModel, Pace, time_steps, timed_batches
 from adloco.placement import placement, rank_placement
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
-from adloco.sharded_worker import ShardedWorker, sharded_copy
 from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build_strategy
 from adloco.sync.rounds import SKIPPED_STEP, BoundaryRequest
 from adloco.tasks import Task
@@ -167,7 +166,7 @@ class Cluster:
             return CostModel(dict.fromkeys(self.worker_rank, StepCost(*batch.step_seconds)), False, batch.round_seconds)
         worker_id = min(self.workers)
         worker = self.workers[worker_id]
-        if isinstance(worker, ShardedWorker):  # it cannot be copied: time its own forward and backward
+        if self.comm.shards > 1:  # a sharded worker cannot be copied: time its own forward and backward
             step_at = worker.scratch_step(self.task)
         else:
             step_at = training_step_at(worker.model, self.context, self.task.vocab_size, self.task, worker.precision)
@@ -221,6 +220,8 @@ class Cluster:
         options = dict(loss_fn=self.task.loss, precision=config.precision, compile_step=config.compile)
         if self.comm.shards == 1:
             return Worker(worker_id, copy.deepcopy(template).to(self.device), config.inner, stream, **options)
+        from adloco.sharded_worker import ShardedWorker, sharded_copy  # FSDP2's import costs a second
+
         mesh = self.comm.shard_mesh  # type: ignore[attr-defined]
         return ShardedWorker(
             worker_id,

@@ -25,7 +25,6 @@ from adloco.checkpoint import (
     save_checkpoint,
     write_failure,
 )
-from adloco.checkpoint_sharded import save_sharded_checkpoint
 from adloco.cluster import Cluster, MergeEvent, RoundReport, StepProgress
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.comm.distributed import (
@@ -717,6 +716,8 @@ def _checkpoint(run: _Run, round_number: int) -> None:
     directory, keep = run.run_dir / "checkpoints", run.config.checkpoint.keep
     run_state = {"counters": dict(run.counters), "config": run.config.model_dump()} if run.is_root else {}
     if run.config.checkpoint.format == "sharded":  # collective: every rank writes its own workers
+        from adloco.checkpoint_sharded import save_sharded_checkpoint  # DCP's import costs a second: only here
+
         part = {"cluster": run.cluster.local_state_dict(), **run_state}
         distributed = isinstance(run.comm, DistributedCommunicator)
         save_sharded_checkpoint(directory, round_number, part, keep, run.comm.rank, run.comm.barrier, distributed)

@@ -94,12 +94,13 @@ def test_a_torchrun_job_the_ranks_cannot_hold_stops_with_one_line_per_rank(tmp_p
 
 
 def test_an_elastic_job_says_how_many_workers_its_ranks_give(monkeypatch):
-    from adloco import training
+    from adloco import placement
+    from adloco.comm import distributed
 
-    monkeypatch.setattr(training, "launched_by_torchrun", lambda: True)
+    monkeypatch.setattr(distributed, "launched_by_torchrun", lambda: True)
     default = build_config(overrides=["elastic=true"])  # workers left to its default, 4
-    config, note = training.elastic_size(default, world_size=2, fresh=True)
+    config, note = placement.elastic_size(default, world_size=2, fresh=True)
     assert config.workers == 2 and note == "elastic: this job has 2 ranks × 1 worker slot(s) = 2 workers, not workers=4"
-    assert training.elastic_size(default, world_size=2, fresh=False)[1] is None  # a resume says "workers: 4 -> 2"
+    assert placement.elastic_size(default, world_size=2, fresh=False)[1] is None  # a resume says "workers: 4 -> 2"
     with pytest.raises(ConfigError, match="workers=4: an elastic job has one worker per rank slot"):
-        training.elastic_size(build_config(overrides=["elastic=true", "workers=4"]), world_size=2, fresh=True)
+        placement.elastic_size(build_config(overrides=["elastic=true", "workers=4"]), world_size=2, fresh=True)

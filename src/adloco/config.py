@@ -2,348 +2,53 @@
 
 from __future__ import annotations
 
-import math
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from adloco.algorithms.schedules import validate_schedule
 from adloco.config_input import YAMLInputError, apply_overrides, excerpt, load_yaml
+from adloco.config_sections import (
+    HF_PREFIX,
+    BatchConfig,
+    CheckpointConfig,
+    CodecConfig,
+    CommConfig,
+    DataConfig,
+    EvalConfig,
+    InnerConfig,
+    MergeConfig,
+    ModelConfig,
+    OuterConfig,
+    RunConfig,
+    StreamingConfig,
+)
 from adloco.errors import CheckpointError, ConfigError
 
-__all__ = ["ConfigError", "TrainConfig", "apply_overrides", "build_config", "load_config", "resume_config"]
-
-HF_PREFIX = "hf:"  # names a Hugging Face dataset or tokenizer (hub name or local folder)
-
-
-def _absolute_if_local(value: str | None, keywords: tuple[str, ...] = ()) -> str | None:
-    """A relative path that exists here, made absolute (``hf:`` kept); names and keywords stay as given.
-
-    A run directory's config.yaml must name its data the same way from any working directory: ``adloco eval``,
-    ``gradients`` and ``--resume`` may be started elsewhere than the training was.
-    """
-    if value is None or value in keywords:
-        return value
-    prefix = HF_PREFIX if value.startswith(HF_PREFIX) else ""
-    target = value[len(prefix) :]
-    if not target or os.path.isabs(target) or not os.path.exists(target):
-        return value
-    return prefix + os.path.abspath(target)
-
-
-class _Section(BaseModel):
-    # NaN/inf are never meaningful settings (an infinite timeout overflows timedelta, an infinite lr trains NaN).
-    model_config = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
-
-
-class ModelConfig(_Section):
-    preset: Literal["tiny", "small", "medium", "micro-llama-300m", "llama-1b", "tiny-bert", "small-bert"] | None = (
-        Field(
-            None,
-            description="Preset built offline with random init: LLaMA (tiny, small, medium, micro-llama-300m, "
-            "llama-1b) or BERT (tiny-bert, small-bert; classification only). Default: tiny, or tiny-bert for "
-            "task=classification.",
-        )
-    )
-    path: str | None = Field(
-        None,
-        description="Instead of a preset: a Hugging Face config JSON file (random init) or a checkpoint "
-        "directory (config.json + weights; every trainer starts from them).",
-    )
-    context: int | None = Field(
-        None, ge=2, description="Sequence length in tokens; default: the preset's context or the model's maximum."
-    )
-
-    @field_validator("path")
-    @classmethod
-    def _local_path_absolute(cls, value: str | None) -> str | None:
-        return _absolute_if_local(value)
-
-
-class DataConfig(_Section):
-    dataset: str = Field(
-        "tinyshakespeare",
-        description="'tinyshakespeare' (bundled), a UTF-8 text file, a folder of *.txt/*.md files, a .jsonl or "
-        ".parquet file, or hf:NAME (Hugging Face datasets). See docs/data.md.",
-    )
-    tokenizer: str = Field(
-        "byte",
-        min_length=1,
-        description="'byte' (vocabulary of 256), 'bpe' (byte-level BPE trained on the training split), a local "
-        "Hugging Face tokenizer folder, or hf:NAME.",
-    )
-    vocab_size: int = Field(512, ge=258, le=1_000_000, description="tokenizer=bpe: vocabulary size to train.")
-    bpe_max_chars: int = Field(
-        20_000_000, ge=1, description="tokenizer=bpe: train on at most this many leading training characters."
-    )
-    separator: str = Field("\n\n", description="Text placed between documents (files, rows) when they are joined.")
-    hf_name: str | None = Field(None, description="Hugging Face dataset name or local folder (same as hf:NAME).")
-    hf_config: str | None = Field(None, description="Hugging Face dataset configuration (subset) name.")
-    hf_data_files: str | None = Field(None, description="data_files for datasets.load_dataset (e.g. with hf:json).")
-    split: str = Field("train", description="Hugging Face dataset split to read.")
-    streaming: bool = Field(
-        False, description="Read documents lazily and pack them into windows (corpora larger than memory)."
-    )
-    val_documents: int = Field(128, ge=1, description="streaming: the first N documents are the validation split.")
-    shuffle_buffer: int = Field(64, ge=1, description="streaming: windows each worker draws from at random (1: none).")
-    val_fraction: float = Field(0.1, gt=0, lt=1, description="Trailing fraction of the text used for validation.")
-    text_field: str = Field("text", description="Field (jsonl key or csv column) holding the text of a row.")
-    label_field: str = Field("label", description="task=classification: field holding a row's label.")
-    val_dataset: str | None = Field(
-        None, description="task=classification: a separate labelled validation file instead of val_fraction."
-    )
-
-    @field_validator("dataset", "tokenizer", "val_dataset", "hf_name", "hf_data_files")
-    @classmethod
-    def _local_paths_absolute(cls, value: str | None) -> str | None:
-        return _absolute_if_local(value, keywords=("tinyshakespeare", "byte", "bpe"))
-
-
-class InnerConfig(_Section):
-    lr: float = Field(1e-3, gt=0, description="Peak inner (AdamW) learning rate.")
-    min_lr: float = Field(1e-4, ge=0, description="Learning rate at the end of the cosine decay.")
-    warmup_steps: int = Field(100, ge=0, description="Linear warm-up, in inner steps.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (matrices only; not norms/biases).")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
-    beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    clip: float | None = Field(1.0, gt=0, description="Gradient-norm clipping per worker; null disables it.")
-
-
-class OuterConfig(_Section):
-    lr: float | None = Field(None, gt=0, description="Outer SGD learning rate (diloco/adloco: 1.0).")
-    momentum: float | None = Field(None, ge=0, lt=1, description="Outer momentum (diloco/adloco: 0.5).")
-    nesterov: bool | None = Field(None, description="Nesterov outer momentum (diloco/adloco: true).")
-    overlap: Literal["none", "delayed", "eager"] = Field(
-        "none",
-        description="diloco/localsgd: exchange Δ during the next round; 'delayed' applies it a round late, "
-        "'eager' also applies each worker's own fresh share at once (arXiv 2502.12996).",
-    )
-
-
-StepSeconds = tuple[float, float] | list[tuple[float, float]]  # one [a, c] for every worker, or one per worker
-
-
-class BatchConfig(_Section):
-    size: int = Field(3, ge=1, description="Per-worker batch b (samples per inner step) at the start.")
-    test: Literal["constant", "norm", "inner_product"] | None = Field(
-        None, description="Batch-size test; default 'norm' for adloco, 'constant' otherwise."
-    )
-    controller: Literal["time", "test"] | None = Field(
-        None,
-        description="How b changes: 'time' picks the batch that reaches a loss soonest on the measured step and "
-        "round times (default for adloco); 'test' follows batch.test (default otherwise). See docs/batch-size.md.",
-    )
-    patience: int = Field(
-        2, ge=1, description="controller=time: decisions in a row that point the same way before b moves."
-    )
-    max_growth: float = Field(2.0, gt=1, description="controller=time: b grows at most this factor per decision.")
-    min_steps_left: int = Field(
-        50, ge=1, description="controller=time: b grows only while the remaining budget holds this many inner steps."
-    )
-    step_seconds: StepSeconds | None = Field(
-        None,
-        description="controller=time or shares=speed: pin a worker's step time t(b) = a + c·b as [a, c] seconds, "
-        "one pair for all workers or a list with one per worker (decisions and shares then reproduce exactly, with "
-        "batch.round_seconds); null: time it and follow the real steps.",
-    )
-    keep_round_time: bool = Field(
-        False,
-        description="As b grows, take fewer inner steps per round so a round reads about as many samples as at "
-        "the start: H_r = max(1, round(H·samples at the start / samples now)); not with method=streaming.",
-    )
-    shares: Literal["equal", "speed"] = Field(
-        "equal",
-        description="How a trainer's M·b samples per step are split over its workers: 'equal' (b each) or 'speed' "
-        "(in proportion to each worker's measured speed, pseudo-gradients averaged with sample weights).",
-    )
-    round_seconds: float | None = Field(
-        None, ge=0, description="controller=time: pin a round's exchange and waiting time; null: measure it."
-    )
-
-    @field_validator("step_seconds", mode="before")
-    @classmethod
-    def _pairs(cls, value: Any) -> Any:
-        # Said here in the setting's own words: pydantic would name the union member it tried last.
-        def pair(item: Any) -> bool:
-            return (
-                isinstance(item, list | tuple) and len(item) == 2 and not any(isinstance(x, list | tuple) for x in item)
-            )
-
-        if value is None or pair(value) or (isinstance(value, list | tuple) and value and all(pair(x) for x in value)):
-            return value
-        raise ValueError("give [a, c] or a list of [a, c] pairs, one per worker")
-
-    @field_validator("step_seconds")
-    @classmethod
-    def _positive_cost(cls, value: StepSeconds | None) -> StepSeconds | None:
-        pairs = [] if value is None else value if isinstance(value, list) else [value]
-        if isinstance(value, list) and not value:
-            raise ValueError("give [a, c] or a list of [a, c] pairs, one per worker")
-        for a, c in pairs:
-            if min(a, c) < 0 or max(a, c) <= 0 or not (math.isfinite(a) and math.isfinite(c)):
-                raise ValueError("give [a, c] with a, c >= 0, finite, and not both 0")
-        return value
-
-    estimator: Literal["microbatch", "cross_worker"] = Field(
-        "microbatch", description="Gradient-variance estimator for the batch test."
-    )
-    eta: float = Field(0.8, gt=0, description="Norm-test tolerance η.")
-    theta: float = Field(0.8, gt=0, description="Augmented inner-product test: ϑ (inner-product part).")
-    nu: float = Field(1.0, gt=0, description="Augmented inner-product test: ν (orthogonal part).")
-    ema: float = Field(
-        0.5, ge=0, lt=1, description="EMA smoothing of the test statistics across rounds (0: each round alone)."
-    )
-    groups: int = Field(4, ge=2, description="k_max: groups the first step of a round is split into.")
-    b_min: int = Field(1, ge=1, description="Smallest per-worker batch the test may ask for.")
-    b_cap: int = Field(64, ge=1, description="Largest per-worker batch the test may ask for.")
-    allow_shrink: bool = Field(False, description="Let the test lower b (default: b never decreases).")
-    test_every: int = Field(1, ge=1, description="Run the batch test every this many rounds.")
-    switch_factor: float = Field(2.0, ge=1, description="Switch mode n: accumulate only when b_req > n·b_max.")
-    lr_scaling: Literal["none", "sqrt", "linear"] = Field(
-        "sqrt",
-        description="When a trainer's b changes, scale its inner lr by (b/batch.size)^α: none α=0, sqrt α=0.5, "
-        "linear α=1 (see docs/batch-size.md).",
-    )
-    lr_scale_max: float = Field(
-        4.0, ge=1, description="The inner lr is scaled by at most this factor (and at least its inverse)."
-    )
-    beta2_scaling: bool = Field(
-        True, description="When b changes, AdamW β2 → β2^(b/batch.size): the same memory in samples."
-    )
-    b_max: int | None = Field(
-        None,
-        ge=1,
-        description="Largest micro-batch per worker; null: probe it under the memory budget, or b_cap without one.",
-    )
-    memory_fraction: float = Field(
-        0.9, gt=0, le=1, description="b_max probe on CUDA: share of the device memory a step may peak at."
-    )
-    memory_budget_mb: float | None = Field(
-        None, gt=0, description="b_max probe on CPU: peak process memory (MiB) a step may reach; null: no probe."
-    )
-
-
-class MergeConfig(_Section):
-    policy: Literal["off", "b_req", "pairwise_reference"] | None = Field(
-        None, description="Merge policy for multi-instance training; default 'b_req' for adloco."
-    )
-    every: int = Field(2, ge=1, description="Merge every this many rounds while more than one trainer is left.")
-    group_size: int = Field(2, ge=2, description="How many trainers (smallest b_req) merge at once.")
-    shared_init: bool = Field(
-        True,
-        description="Start every trainer from the same initial parameters (false: each from its own seed, which "
-        "merges average poorly).",
-    )
-
-
-class EvalConfig(_Section):
-    every: int = Field(20, ge=1, description="Evaluate θ every this many rounds.")
-    blocks: int = Field(
-        64, ge=1, description="Validation blocks (task=classification: rows) for the periodic evaluation."
-    )
-    final_full: bool = Field(True, description="Evaluate the final θ on the whole validation split.")
-
-
-class CheckpointConfig(_Section):
-    every: int = Field(20, ge=1, description="Write a checkpoint every this many rounds (and at the end).")
-    every_minutes: float | None = Field(
-        None,
-        gt=0,
-        description="Also write one at the first round end after this many minutes since the last (under "
-        "torchrun: by the first rank whose clock says so; the round's reports make every rank agree).",
-    )
-    keep: int = Field(2, ge=1, description="How many checkpoints to keep.")
-    format: Literal["file", "sharded"] = Field(
-        "file",
-        description="file: one file that rank 0 writes (every rank's workers gathered to it); sharded: a folder "
-        "where every rank writes its own workers with torch.distributed.checkpoint (needs a file system all ranks "
-        "share). Either resumes on any number of ranks.",
-    )
-
-
-class StreamingConfig(_Section):
-    fragments: int | None = Field(
-        None, ge=1, description="P: parameter fragments synced in turn (streaming: 2; other methods: 1)."
-    )
-    assignment: Literal["strided", "sequential"] = Field(
-        "strided", description="Blocks to fragments: strided (block l → l mod P) or contiguous runs."
-    )
-    shared: Literal["first", "own"] = Field(
-        "first", description="Embeddings, final norm and head: join fragment 0, or form fragment 0 alone."
-    )
-    overlap: int | None = Field(
-        None, ge=0, description="τ: inner steps between sending a fragment and applying its outer step (streaming: 1)."
-    )
-    alpha: float | None = Field(
-        None, ge=0, le=1, description="α: fragment ← α·local + (1 − α)·outer after its sync (streaming: 0.5)."
-    )
-
-
-class CodecConfig(_Section):
-    name: Literal["none", "fp32", "bf16", "fp16", "int8", "fp8-e4m3", "fp4-e2m1", "fp4-e3m0"] = Field(
-        "none", description="Encoding of exchanged pseudo-gradients; none sends float32 through an all-reduce path."
-    )
-    block_size: int = Field(32, ge=1, description="Elements sharing one power-of-two scale (int8, fp8, fp4).")
-    error_feedback: bool = Field(False, description="Add each worker's quantization residual to its next exchange.")
-
-
-class CommConfig(_Section):
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="torch.distributed backend under torchrun: NCCL with CUDA, else gloo."
-    )
-    timeout_s: float = Field(
-        300.0,
-        gt=0,
-        le=365 * 86400,  # a timedelta cannot hold much more
-        description="A collective waiting longer than this (a dead or hung rank) ends the job.",
-    )
-    reduce: Literal["gather", "allreduce"] = Field(
-        "gather",
-        description="gather: exact, placement-independent sums; allreduce: less traffic, backend summation order.",
-    )
-
-
-class RunConfig(_Section):
-    root: str = Field("runs", description="Folder under which run directories are created.")
-    name: str | None = Field(None, description="Run directory name; default <model>_<dataset>_<UTC time>.")
-
-    @field_validator("name")
-    @classmethod
-    def _plain_folder_name(cls, name: str | None) -> str | None:
-        # A name with '/' or '..' would put the run outside run.root.
-        if name is not None and (name in ("", ".", "..") or "/" in name or "\0" in name):
-            raise ValueError(f"must be a plain folder name (not empty, '.' or '..'; no '/'), got {excerpt(name)}")
-        return name
-
-    progress: bool = Field(True, description="Show progress: a bar on a terminal, plain lines when piped.")
-    progress_every_s: float = Field(
-        10.0, gt=0, description="Seconds between plain progress lines (in train.log; on stderr when it is piped)."
-    )
-    save_final: bool = Field(True, description="Export the final model in Hugging Face format.")
-    plots: bool = Field(True, description="Write PNG plots into the run directory at the end (adloco plot).")
-    max_failed_rounds: int = Field(
-        3, ge=1, description="Stop after this many rounds in a row in which a trainer had no finite worker."
-    )
-    trackers: list[Literal["tensorboard", "wandb", "mlflow", "clearml"]] = Field(
-        ["tensorboard"],
-        description="Experiment trackers that receive every metric: tensorboard (<run>/tensorboard), wandb, mlflow, "
-        "clearml (pip extras); [] for none. See docs/tracking.md.",
-    )
-    project: str = Field("adloco", min_length=1, description="Project / experiment name for wandb, mlflow, clearml.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _trackers_from_text(cls, data: Any) -> Any:
-        # run.trackers=tensorboard,wandb on the command line arrives as one string
-        if isinstance(data, dict) and isinstance(data.get("trackers"), str):
-            data = {**data, "trackers": [t.strip() for t in data["trackers"].split(",") if t.strip()]}
-        return data
-
+__all__ = [
+    "HF_PREFIX",
+    "BatchConfig",
+    "CheckpointConfig",
+    "CodecConfig",
+    "CommConfig",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "InnerConfig",
+    "MergeConfig",
+    "ModelConfig",
+    "OuterConfig",
+    "RunConfig",
+    "StreamingConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "build_config",
+    "load_config",
+    "resume_config",
+]  # the sections live in config_sections.py
 
 Method = Literal["ddp", "localsgd", "diloco", "adloco", "streaming"]
 

@@ -1,13 +1,19 @@
 """Which rank hosts which worker: contiguous blocks of worker slots per rank, a worker's shards on neighbouring
-ranks; and the check, before anything is built, that the world torchrun started can hold the job."""
+ranks; the check, before anything is built, that the world torchrun started can hold the job; an elastic job's
+size; and each rank's device."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from adloco.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
+    import torch
+
     from adloco.config import TrainConfig
 
 
@@ -67,3 +73,47 @@ def _check_backend(backend: str, device: str) -> None:
         raise ConfigError("comm.backend: nccl needs CUDA GPUs and this machine has none; use comm.backend=gloo")
     if not dist.is_nccl_available():
         raise ConfigError("comm.backend: nccl is not built into this torch; use comm.backend=gloo")
+
+
+def elastic_size(config: TrainConfig, world_size: int, fresh: bool) -> tuple[TrainConfig, str | None]:
+    """The config of this start: under torchrun an elastic job has as many workers as its ranks hold slots; and a
+    line for the user when that is not the ``workers`` the config names. A fresh start refuses a ``workers`` the
+    user gave that the ranks contradict."""
+    from adloco.comm.distributed import launched_by_torchrun  # torch loads only when a job starts
+
+    if not config.elastic or not launched_by_torchrun():
+        return config, None
+    slots = config.slots_per_rank or 1
+    workers = world_size * slots
+    if workers == config.workers:
+        return config, None
+    why = f"{world_size} ranks × {slots} worker slot(s) = {workers} workers"
+    if fresh and "workers" in config.given_keys:
+        raise ConfigError(
+            f"workers={config.workers}: an elastic job has one worker per rank slot, here {why}; leave workers out, "
+            f"or launch ranks × slots_per_rank = {config.workers}"
+        )
+    # A resumed or restarted job says the change with the other resume-time changes ("workers: 4 -> 3").
+    note = f"elastic: this job has {why}, not workers={config.workers}" if fresh else None
+    return config.model_copy(update={"workers": workers}), note
+
+
+def resolve_device(config: TrainConfig) -> torch.device:
+    """This rank's device: the CPU, or the CUDA device of its local rank (with the config's matmul settings)."""
+    import os
+
+    import torch
+
+    from adloco.precision import configure_matmuls
+
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        if config.precision == "fp16":
+            log.warning("precision fp16 on a CPU: float16 matmuls have no fast kernels there; bf16 or fp32 is faster")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device: cuda was asked for but no CUDA device is available")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    configure_matmuls(device, config.tf32)
+    return device

@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from transformers.utils import logging as hf_logging
 
-from adloco.algorithms.schedules import inner_lr
 from adloco.algorithms.sharding import ShardLayout
 from adloco.checkpoint import (
     CheckpointError,
@@ -25,7 +23,7 @@ from adloco.checkpoint import (
     save_checkpoint,
     write_failure,
 )
-from adloco.cluster import Cluster, MergeEvent, RoundReport, StepProgress
+from adloco.cluster import Cluster, RoundReport, StepProgress
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.comm.distributed import (
     DistributedCommunicator,
@@ -35,7 +33,7 @@ from adloco.comm.distributed import (
     world_size_from_env,
 )
 from adloco.compilation import check_compile
-from adloco.config import ConfigError, TrainConfig, resume_changes
+from adloco.config import TrainConfig, resume_changes
 from adloco.data import (
     SAVED_DIR,
     build_tokenizer,
@@ -46,10 +44,10 @@ from adloco.data import (
     training_texts,
 )
 from adloco.errors import StorageError
-from adloco.metrics import MetricsWriter, RunDisplay, memory_snapshot
-from adloco.placement import check_world, hosted_workers
-from adloco.precision import configure_matmuls
+from adloco.metrics import MetricsWriter, RunDisplay
+from adloco.placement import check_world, elastic_size, hosted_workers, resolve_device
 from adloco.preflight import check_rank_memory
+from adloco.round_records import PendingRound, advance, gather_round_figures, round_record, settle
 from adloco.run_dir import (
     agree_on_restart,
     attach_log_file,
@@ -57,6 +55,7 @@ from adloco.run_dir import (
     newest_checkpoint,
     write_run_config,
 )
+from adloco.run_state import RoundPlan, RunState
 from adloco.runs import RunLock
 from adloco.stopping import Interrupted, Stopped, StopSignals
 from adloco.sync.rounds import BoundaryRequest
@@ -120,20 +119,6 @@ def make_communicator(config: TrainConfig) -> Communicator:
     return LocalCommunicator()
 
 
-def resolve_device(config: TrainConfig) -> torch.device:
-    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
-        if config.precision == "fp16":
-            log.warning("precision fp16 on a CPU: float16 matmuls have no fast kernels there; bf16 or fp32 is faster")
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError("device: cuda was asked for but no CUDA device is available")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    configure_matmuls(device, config.tf32)
-    return device
-
-
 def train(
     config: TrainConfig,
     resume: Path | None = None,
@@ -159,27 +144,6 @@ def train(
     finally:
         if owns_comm:
             comm.close()
-
-
-def elastic_size(config: TrainConfig, world_size: int, fresh: bool) -> tuple[TrainConfig, str | None]:
-    """The config of this start: under torchrun an elastic job has as many workers as its ranks hold slots; and a
-    line for the user when that is not the ``workers`` the config names. A fresh start refuses a ``workers`` the
-    user gave that the ranks contradict."""
-    if not config.elastic or not launched_by_torchrun():
-        return config, None
-    slots = config.slots_per_rank or 1
-    workers = world_size * slots
-    if workers == config.workers:
-        return config, None
-    why = f"{world_size} ranks × {slots} worker slot(s) = {workers} workers"
-    if fresh and "workers" in config.given_keys:
-        raise ConfigError(
-            f"workers={config.workers}: an elastic job has one worker per rank slot, here {why}; leave workers out, "
-            f"or launch ranks × slots_per_rank = {config.workers}"
-        )
-    # A resumed or restarted job says the change with the other resume-time changes ("workers: 4 -> 3").
-    note = f"elastic: this job has {why}, not workers={config.workers}" if fresh else None
-    return config.model_copy(update={"workers": workers}), note
 
 
 def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
@@ -307,51 +271,6 @@ def _say(console: Console, message: str) -> None:
     console.print(f"adloco: {message}", markup=False, highlight=False, soft_wrap=True)
 
 
-@dataclass
-class _Run:
-    """What the parts of the round loop share."""
-
-    config: TrainConfig
-    run_dir: Path
-    task: Task
-    comm: Communicator
-    device: torch.device
-    cluster: Cluster
-    counters: dict
-    metrics: MetricsWriter | None
-    eval_model: torch.nn.Module | None
-    started: float
-    last_checkpoint: int | None = None  # the round of the newest checkpoint on disk
-    checkpointed_at: float = field(default_factory=time.monotonic)
-    last_val: dict[int, float] = field(default_factory=dict)
-    last_accuracy: dict[int, float] = field(default_factory=dict)
-    failed_streak: int = 0
-    pending: _PendingRound | None = None  # the last round's record, until every rank's figures are in
-
-    @property
-    def is_root(self) -> bool:
-        return self.comm.rank == 0
-
-
-@dataclass
-class _RoundPlan:
-    """A round before it runs: its length, its switch-mode plans and the inner lr of each step."""
-
-    index: int
-    steps: int
-    first_step: int
-    tokens_before: int
-    per_step: int
-    plans: dict
-    started: float
-    samples: dict[int, int] = field(default_factory=dict)  # each worker's samples per step in the round
-
-    def lr_at(self, config: TrainConfig, step: int) -> float:
-        fraction = (self.tokens_before + step * self.per_step) / config.total_tokens
-        inner = config.inner
-        return inner_lr(self.first_step + step, fraction, inner.lr, inner.min_lr, inner.warmup_steps)
-
-
 def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, console, comm, device) -> TrainResult:
     run = _restore(config, run_dir, run_task, checkpoint, comm, device)
     display = RunDisplay(
@@ -383,9 +302,9 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
     return _finish(run, tokenizer_info)
 
 
-def _stop(run: _Run, plan: _RoundPlan, report: RoundReport, signum: int) -> None:
+def _stop(run: RunState, plan: RoundPlan, report: RoundReport, signum: int) -> None:
     """A stop signal arrived: checkpoint this round unless that is done or impossible (a skipped round), then end."""
-    _settle(run)
+    settle(run)
     if run.last_checkpoint != plan.index + 1 and not report.skipped:
         _checkpoint(run, plan.index + 1)
     stopped = Stopped(signum, run.run_dir, run.last_checkpoint)
@@ -393,7 +312,7 @@ def _stop(run: _Run, plan: _RoundPlan, report: RoundReport, signum: int) -> None
     raise stopped
 
 
-def _check_budget(run: _Run, console: Console) -> None:
+def _check_budget(run: RunState, console: Console) -> None:
     """A budget below one inner step still trains that step: say so rather than show a misleading 10/10."""
     per_step = run.cluster.tokens_per_step()
     done = run.counters["tokens"]
@@ -411,7 +330,7 @@ def _check_budget(run: _Run, console: Console) -> None:
         )
 
 
-def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> _Run:
+def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> RunState:
     """The cluster, from the checkpoint when resuming; the metrics writer and trackers on rank 0."""
     cluster = Cluster(config, run_task, comm, device)
     counters = {"round": 0, "tokens": 0, "step": 0, "bytes": 0, "seconds": 0.0}
@@ -450,7 +369,7 @@ def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> _Run:
         metrics.write(
             "resize", round=counters["round"] + 1, tokens=counters["tokens"], workers_before=before, workers=now
         )
-    return _Run(
+    return RunState(
         config=config,
         run_dir=run_dir,
         task=run_task,
@@ -483,7 +402,7 @@ def _open_metrics(config: TrainConfig, run_dir: Path, counters: dict, checkpoint
     )
 
 
-def _plan_round(run: _Run) -> _RoundPlan:
+def _plan_round(run: RunState) -> RoundPlan:
     """How many steps the next round takes (H, or fewer to end on the budget) and its micro-batch plans."""
     cluster, counters, config = run.cluster, run.counters, run.config
     per_step = cluster.tokens_per_step()
@@ -501,7 +420,7 @@ def _plan_round(run: _Run) -> _RoundPlan:
                 plan.sizes,
             )
     steps = min(cluster.inner_steps_per_round(), math.ceil((config.total_tokens - counters["tokens"]) / per_step))
-    return _RoundPlan(
+    return RoundPlan(
         index=counters["round"],
         steps=steps,
         first_step=counters["step"],
@@ -513,13 +432,13 @@ def _plan_round(run: _Run) -> _RoundPlan:
     )
 
 
-def _after_step(run: _Run, plan: _RoundPlan, progress: StepProgress, display: RunDisplay, stop: StopSignals) -> None:
+def _after_step(run: RunState, plan: RoundPlan, progress: StepProgress, display: RunDisplay, stop: StopSignals) -> None:
     """After every inner step: a Ctrl-C that got lost stops the run here, else show the progress."""
     stop.raise_if_interrupted()
     _show_step(run, plan, progress, display)
 
 
-def _show_step(run: _Run, plan: _RoundPlan, progress: StepProgress, display: RunDisplay) -> None:
+def _show_step(run: RunState, plan: RoundPlan, progress: StepProgress, display: RunDisplay) -> None:
     """Progress after an inner step, from what this rank knows before the round's exchange."""
     if not run.is_root:
         return
@@ -530,24 +449,24 @@ def _show_step(run: _Run, plan: _RoundPlan, progress: StepProgress, display: Run
     display.show(plan.index, plan.tokens_before + (progress.step + 1) * plan.per_step, status)
 
 
-def _finish_round(run: _Run, plan: _RoundPlan, report: RoundReport) -> None:
+def _finish_round(run: RunState, plan: RoundPlan, report: RoundReport) -> None:
     """Everything after a round's training: merges, counters, evaluation, records, health, checkpoint."""
     cluster, counters = run.cluster, run.counters
     run.failed_streak = run.failed_streak + 1 if report.skipped else 0
     merge = cluster.maybe_merge(plan.index)
-    traffic = _round_comm(run)
-    _settle(run)  # the previous round's record: its figures arrived while this round trained
-    step_records = _advance(run, plan, report)
+    traffic = gather_round_figures(run)
+    settle(run)  # the previous round's record: its figures arrived while this round trained
+    step_records = advance(run, plan, report)
     finished = counters["tokens"] >= run.config.total_tokens
     if finished:
         cluster.flush()  # exchanges still in flight count towards the final θ
     evaluated, eval_seconds = _evaluate(run, plan.index, finished)
     counters["seconds"] = time.perf_counter() - run.started
-    record = _round_record(run, plan, report, merge, evaluated, eval_seconds) if run.metrics is not None else {}
-    run.pending = _PendingRound(traffic, step_records, record, merge)
+    record = round_record(run, plan, report, merge, evaluated, eval_seconds) if run.metrics is not None else {}
+    run.pending = PendingRound(traffic, step_records, record, merge)
     checkpoint_due = not report.skipped and (_checkpoint_due(run, plan.index, report) or finished)
     if finished or checkpoint_due or run.failed_streak >= run.config.run.max_failed_rounds:
-        _settle(run)  # a checkpoint holds this round's byte count; the last round is recorded before the end
+        settle(run)  # a checkpoint holds this round's byte count; the last round is recorded before the end
     if run.failed_streak >= run.config.run.max_failed_rounds:
         config = run.config
         raise NonFiniteError(
@@ -560,108 +479,18 @@ def _finish_round(run: _Run, plan: _RoundPlan, report: RoundReport) -> None:
         _checkpoint(run, plan.index + 1)
 
 
-@dataclass
-class _PendingRound:
-    """A round's record, waiting for every rank's traffic figures: gathered without blocking any rank, so a
-    round costs its own exchanges and nothing more, and written at the next round's end (or before a
-    checkpoint, whose byte count includes the round)."""
-
-    traffic: torch.futures.Future
-    step_records: list[dict]
-    record: dict
-    merge: MergeEvent | None
-
-
-_TRAFFIC = ("bytes_sent", "wire_bytes", "seconds", "exchanges", "wait_seconds")
-_MEMORY = ("rss_mib", "peak_rss_mib", "cuda_allocated_mib", "cuda_peak_allocated_mib", "cuda_reserved_mib")
-
-
-def _round_comm(run: _Run) -> torch.futures.Future:
-    """Start gathering every rank's traffic, exchanges, waiting and memory in the round."""
-    taken = run.comm.stats.take()
-    memory = memory_snapshot(run.device)
-    values = [float(getattr(taken, key)) for key in _TRAFFIC]
-    values += [math.nan if memory.get(key) is None else float(memory[key]) for key in _MEMORY]  # type: ignore[arg-type]
-    return run.comm.gather_floats(values)
-
-
-def _settle(run: _Run) -> None:
-    """Wait for the pending round's figures (long arrived, normally), count its bytes, write its records."""
-    pending, run.pending = run.pending, None
-    if pending is None:
-        return
-    per_rank = pending.traffic.wait()
-    run.counters["bytes"] += int(sum(values[0] for values in per_rank))
-    if run.metrics is None:
-        return
-    for record in pending.step_records:
-        run.metrics.write("step", **record)
-    pending.record.update(_traffic_fields(per_rank, run.counters["bytes"]))
-    run.metrics.write("round", **pending.record)
-    if pending.merge is not None:
-        run.metrics.write("merge", **pending.merge.to_dict())
-    run.metrics.flush()
-
-
-def _traffic_fields(per_rank: list[list[float]], bytes_total: int) -> dict:
-    ranks, memory = [], []
-    for rank, values in enumerate(per_rank):
-        traffic = dict(zip(_TRAFFIC, values, strict=False))
-        ranks.append(
-            {
-                "rank": rank,
-                "payload_bytes": int(traffic["bytes_sent"]),
-                "wire_bytes": int(traffic["wire_bytes"]),
-                "comm_seconds": traffic["seconds"],
-                "exchanges": int(traffic["exchanges"]),
-                "wait_seconds": traffic["wait_seconds"],
-            }
-        )
-        held = dict(zip(_MEMORY, values[len(_TRAFFIC) :], strict=True))
-        memory.append({"rank": rank, **{k: v for k, v in held.items() if not math.isnan(v)}})
-    return {
-        "bytes": sum(r["payload_bytes"] for r in ranks),
-        "bytes_total": bytes_total,
-        "comm_seconds": ranks[0]["comm_seconds"],
-        "exchanges": ranks[0]["exchanges"],
-        "wait_seconds": ranks[0]["wait_seconds"],
-        "ranks": ranks,
-        "memory": memory,
-    }
-
-
-def _checkpoint_due(run: _Run, round_index: int, report: RoundReport) -> bool:
+def _checkpoint_due(run: RunState, round_index: int, report: RoundReport) -> bool:
     """Every ``checkpoint.every`` rounds, and where some rank found ``checkpoint.every_minutes`` past."""
     return (round_index + 1) % run.config.checkpoint.every == 0 or report.request.checkpoint
 
 
-def _checkpoint_time_due(run: _Run) -> bool:
+def _checkpoint_time_due(run: RunState) -> bool:
     """This rank's clock says the time cadence is due (the round's reports make it the job's decision)."""
     minutes = run.config.checkpoint.every_minutes
     return minutes is not None and time.monotonic() - run.checkpointed_at >= 60 * minutes
 
 
-def _advance(run: _Run, plan: _RoundPlan, report: RoundReport) -> list[dict]:
-    """Move the counters past the round; returns its step records (the losses came with the round's exchange)."""
-    counters = run.counters
-    records = []
-    for step, (losses, tokens) in enumerate(zip(report.step_loss, report.step_tokens, strict=True)):
-        counters["step"] += 1
-        counters["tokens"] += tokens
-        records.append(
-            {
-                "round": plan.index + 1,
-                "step": counters["step"],
-                "loss": losses,
-                "lr": plan.lr_at(run.config, step),
-                "tokens": counters["tokens"],
-            }
-        )
-    counters["round"] = plan.index + 1  # the bytes follow when the round's traffic figures arrive (_settle)
-    return records
-
-
-def _evaluate(run: _Run, round_index: int, finished: bool) -> tuple[bool, float]:
+def _evaluate(run: RunState, round_index: int, finished: bool) -> tuple[bool, float]:
     """Periodic validation of every trainer's θ on rank 0; its time is reported apart from training's."""
     evaluated = (round_index + 1) % run.config.eval.every == 0 or finished
     started = time.perf_counter()
@@ -674,43 +503,7 @@ def _evaluate(run: _Run, round_index: int, finished: bool) -> tuple[bool, float]
     return evaluated, time.perf_counter() - started
 
 
-def _round_record(
-    run: _Run, plan: _RoundPlan, report: RoundReport, merge: MergeEvent | None, evaluated: bool, eval_seconds: float
-) -> dict:
-    """The round's record as of its end; the traffic fields (None here) are filled in by ``_settle``."""
-    counters, cluster = run.counters, run.cluster
-    seconds = time.perf_counter() - plan.started
-    classification = run.config.task == "classification"
-    return dict(
-        round=plan.index + 1,
-        steps=plan.steps,
-        tokens=counters["tokens"],
-        train_loss=report.loss,
-        val_loss=dict(run.last_val) if evaluated else None,
-        **({"val_accuracy": dict(run.last_accuracy) if evaluated else None} if classification else {}),
-        **dict.fromkeys(("bytes", "bytes_total", "comm_seconds", "exchanges", "wait_seconds", "ranks", "memory")),
-        step=counters["step"],
-        tokens_per_second=(counters["tokens"] - plan.tokens_before) / max(seconds, 1e-9),
-        round_seconds=seconds,
-        eval_seconds=eval_seconds,
-        seconds=counters["seconds"],
-        batch={k: t.batch_size for k, t in cluster.trainers.items()},
-        lr_scale={k: t.batch.lr_scale for k, t in cluster.trainers.items()},
-        beta2={k: t.batch.beta2(run.config.inner.beta2) for k, t in cluster.trainers.items()},
-        batch_test=report.batch or None,
-        plan={
-            k: {"micro": p.micro, "accum": p.accum, "samples": p.samples, "mode": p.mode} for k, p in plan.plans.items()
-        },
-        workers={k: len(t.worker_ids) for k, t in cluster.trainers.items()},
-        **({"samples": plan.samples} if run.config.batch.shares == "speed" else {}),
-        merge=merge.to_dict() if merge else None,
-        peak_sync_bytes=cluster.peak_sync_bytes,
-        failed_workers=report.failed,
-        skipped_trainers=report.skipped,
-    )
-
-
-def _checkpoint(run: _Run, round_number: int) -> None:
+def _checkpoint(run: RunState, round_number: int) -> None:
     """A checkpoint of the state after round ``round_number`` (counted from 1, as everywhere a user sees it)."""
     run.last_checkpoint, run.checkpointed_at = round_number, time.monotonic()
     directory, keep = run.run_dir / "checkpoints", run.config.checkpoint.keep
@@ -727,7 +520,7 @@ def _checkpoint(run: _Run, round_number: int) -> None:
         save_checkpoint(directory, round_number, {"cluster": state, **run_state}, keep=keep)
 
 
-def _finish(run: _Run, tokenizer_info: dict) -> TrainResult:
+def _finish(run: RunState, tokenizer_info: dict) -> TrainResult:
     """Final evaluation of every trainer, the summary, the export of the best θ and the plots (rank 0)."""
     config, comm, cluster, counters = run.config, run.comm, run.cluster, run.counters
     thetas = {k: cluster.full_theta(t) for k, t in cluster.trainers.items()}

@@ -1,0 +1,65 @@
+"""What the parts of a run's round loop share: the run's state and a round's plan before it runs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from adloco.algorithms.schedules import inner_lr
+from adloco.cluster import Cluster
+from adloco.comm import Communicator
+from adloco.config import TrainConfig
+from adloco.metrics import MetricsWriter
+from adloco.tasks import Task
+
+if TYPE_CHECKING:
+    from adloco.round_records import PendingRound
+
+
+@dataclass
+class RunState:
+    """What the parts of the round loop share."""
+
+    config: TrainConfig
+    run_dir: Path
+    task: Task
+    comm: Communicator
+    device: torch.device
+    cluster: Cluster
+    counters: dict
+    metrics: MetricsWriter | None
+    eval_model: torch.nn.Module | None
+    started: float
+    last_checkpoint: int | None = None  # the round of the newest checkpoint on disk
+    checkpointed_at: float = field(default_factory=time.monotonic)
+    last_val: dict[int, float] = field(default_factory=dict)
+    last_accuracy: dict[int, float] = field(default_factory=dict)
+    failed_streak: int = 0
+    pending: PendingRound | None = None  # the last round's record, until every rank's figures are in
+
+    @property
+    def is_root(self) -> bool:
+        return self.comm.rank == 0
+
+
+@dataclass
+class RoundPlan:
+    """A round before it runs: its length, its switch-mode plans and the inner lr of each step."""
+
+    index: int
+    steps: int
+    first_step: int
+    tokens_before: int
+    per_step: int
+    plans: dict
+    started: float
+    samples: dict[int, int] = field(default_factory=dict)  # each worker's samples per step in the round
+
+    def lr_at(self, config: TrainConfig, step: int) -> float:
+        fraction = (self.tokens_before + step * self.per_step) / config.total_tokens
+        inner = config.inner
+        return inner_lr(self.first_step + step, fraction, inner.lr, inner.min_lr, inner.warmup_steps)

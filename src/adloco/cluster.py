@@ -11,14 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from adloco import cluster_state, trainer_sync
 from adloco.algorithms.controller import StepCost
 from adloco.algorithms.fragments import assign_fragments
-from adloco.algorithms.merge import merge_weights, merged_batch_size, select_merge_group, weighted_average
 from adloco.algorithms.sharding import local_shard
 from adloco.algorithms.shares import balanced_split, sample_weights
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.batch.policy import TrainerBatch, pace_for
-from adloco.checkpoint import CheckpointError
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
 from adloco.pace import CostModel, Pace, time_steps, timed_batches
@@ -28,6 +27,7 @@ from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build
 from adloco.sync.rounds import SKIPPED_STEP, BoundaryRequest
 from adloco.tasks import Task
 from adloco.trainer import Trainer
+from adloco.trainer_sync import MergeEvent
 from adloco.worker import StepResult, Worker
 from adloco.worker_group import WorkerGroup, stacking_blocker
 
@@ -35,19 +35,6 @@ log = logging.getLogger(__name__)
 
 # Worker seeds are spread far apart so streams of different workers never share a generator state.
 _STREAM_SEED_STRIDE = 1_000_003
-
-
-@dataclass
-class MergeEvent:
-    round: int
-    merged: list[int]
-    into: int
-    weights: list[float]
-    batch_size: int
-    workers: list[int]
-
-    def to_dict(self) -> dict:
-        return self.__dict__.copy()
 
 
 @dataclass
@@ -492,151 +479,25 @@ class Cluster:
     def lead_rank(self, trainer: Trainer) -> int:
         return self.worker_rank[trainer.worker_ids[0]]
 
+    # -- the parts that are not the round's: trainers across ranks and merges (trainer_sync.py), checkpoint
+    # state composed from the parts' own (cluster_state.py)
     def synchronize(self, state: RoundState | None = None) -> None:
-        """Give every rank every trainer's state (and its workers' round reports), from the trainer's lead rank.
-
-        Only needed when some rank hosts none of a trainer's workers (several trainers on several ranks):
-        merges, evaluation, checkpoints and the token count then agree everywhere.
-        """
-        if self.comm.world_size == 1 or all(
-            set(self.comm.ranks_of(t.worker_ids)) == set(range(self.comm.world_size)) for t in self.trainers.values()
-        ):
-            return
-        for trainer in self.trainers.values():
-            src = self.lead_rank(trainer)
-            meta = None
-            if self.comm.rank == src:
-                meta = trainer.sync_metadata()
-                if state is not None:
-                    meta["reports"] = {w: state.reports[w].to_tensor() for w in trainer.worker_ids}
-            meta = self.comm.broadcast_object(meta, src=src)
-            if self.comm.rank != src:
-                trainer.load_sync_metadata(meta)
-                if state is not None:
-                    state.learn(meta["reports"])
-            self.comm.broadcast_tensors(trainer.theta, src)
-            buffers = trainer.momentum_buffers()
-            if meta["has_momentum"]:
-                if any(b is None for b in buffers):
-                    trainer.set_momentum_buffers([torch.zeros_like(t) for t in trainer.theta])
-                    buffers = trainer.momentum_buffers()
-                self.comm.broadcast_tensors(buffers, src)
+        trainer_sync.synchronize(self, state)
 
     def maybe_merge(self, round_index: int) -> MergeEvent | None:
-        """Every ``merge.every`` rounds, merge the trainers with the smallest b_req into the first of them."""
-        merge = self.config.merge
-        if merge.policy == "off" or len(self.trainers) < 2 or (round_index + 1) % merge.every != 0:
-            return None
-        b_req = {k: t.batch_size for k, t in self.trainers.items()}
-        group = select_merge_group(b_req, min(merge.group_size, len(self.trainers)))
-        members = [self.trainers[k] for k in group]
-        weights = merge_weights(merge.policy, [t.batch_size for t in members], [len(t.worker_ids) for t in members])
-        theta = weighted_average([t.theta for t in members], weights)
-        momentum = weighted_average([t.momentum_buffers() for t in members], weights)
-        survivor = members[0]
-        with torch.no_grad():
-            for target, value in zip(survivor.theta, theta, strict=True):
-                target.copy_(value)
-        if survivor.momentum > 0:
-            survivor.set_momentum_buffers(momentum)
-        survivor.batch_size = merged_batch_size([t.batch_size for t in members])
-        for other in members[1:]:
-            survivor.worker_ids = sorted(survivor.worker_ids + other.worker_ids)
-            del self.trainers[other.trainer_id]
-        survivor.broadcast(self.workers)
-        self.comm.register_group(survivor.worker_ids)
-        event = MergeEvent(
-            round=round_index + 1,
-            merged=group,
-            into=survivor.trainer_id,
-            weights=list(weights),
-            batch_size=survivor.batch_size,
-            workers=list(survivor.worker_ids),
-        )
-        log.info("merge: trainers %s into %d with weights %s", group, survivor.trainer_id, weights)
-        return event
+        return trainer_sync.maybe_merge(self, round_index)
 
     def state_dict(self) -> dict | None:
-        """The whole cluster's state on rank 0 (None on other ranks); every rank must call it."""
-        gathered = self.comm.gather_objects({w: self._worker_state(w) for w in self.workers})
-        if gathered is None:
-            return None
-        return {**self.shared_state(), "workers": {w: state for part in gathered for w, state in part.items()}}
+        return cluster_state.state_dict(self)
 
     def local_state_dict(self) -> dict:
-        """What this rank writes of a sharded checkpoint: its workers (its shard of them), and on the first rank of
-        each shard the shared state (that shard's rows of it) too."""
-        workers = {w: self._worker_state(w) for w in self.workers}
-        return {**(self.shared_state() if self.comm.rank == 0 else {}), "workers": workers, "shard": self.comm.shard}
+        return cluster_state.local_state_dict(self)
 
     def shared_state(self) -> dict:
-        """Trainers, exchanges in flight and costs: the same on every rank after a round, saved once."""
-        return {
-            "trainers": {k: t.state_dict() for k, t in self.trainers.items()},
-            "b_max": dict(self.b_max),  # every worker's, so a rank that reads only its own workers knows them all
-            "pending": self.sync.state_dict(),
-            **({"costs": self.costs.state_dict()} if self.costs is not None else {}),
-            **({"retired_streams": dict(self.retired_streams)} if self.retired_streams else {}),
-        }
-
-    def _worker_state(self, worker_id: int) -> dict:
-        inner = self.workers[worker_id].state_dict(with_params=self.sync.saves_worker_params)
-        return {**inner, "b_max": self.b_max[worker_id], **self.sync.worker_state(worker_id)}
+        return cluster_state.shared_state(self)
 
     def load_state_dict(self, state: dict) -> None:
-        saved_trainers = state["trainers"]
-        for k in list(self.trainers):
-            if k not in saved_trainers:
-                del self.trainers[k]
-        for k, trainer_state in saved_trainers.items():
-            self.trainers[k].load_state_dict(trainer_state)
-        saved = {int(w): s for w, s in state["workers"].items()}  # this rank's workers, maybe all of them
-        saved_ids = sorted({int(w) for t in saved_trainers.values() for w in t["worker_ids"]})
-        self.retired_streams = {int(w): s for w, s in state.get("retired_streams", {}).items()}
-        if saved_ids != list(range(self.config.total_workers)):
-            self._resize(saved, saved_ids)
-        for trainer in self.trainers.values():
-            self.comm.register_group(trainer.worker_ids)
-            trainer.broadcast(self.workers)
-        for w, worker in self.workers.items():
-            if w in saved:
-                worker.load_state_dict(saved[w])  # streaming: its own parameters replace θ
-                self.sync.load_worker_state(w, saved[w])
-        saved_b_max = state.get("b_max") or {w: s["b_max"] for w, s in saved.items() if "b_max" in s}
-        self.b_max.update({int(w): int(b) for w, b in saved_b_max.items() if int(w) in self.b_max})
-        self.sync.load_state_dict(state.get("pending", {}))
-        if self.costs is not None and "costs" in state:
-            self.costs.load_state_dict(state["costs"])
-
-    def _resize(self, saved: dict[int, dict], saved_ids: list[int]) -> None:
-        """An elastic resume with another worker count: the highest worker ids retire (their data streams are kept
-        for their return), new ids join the trainer with the fewest workers from θ with fresh inner state.
-        ``saved`` holds the retiring workers' states (every rank reads them) and this rank's."""
-        if not self.config.elastic:
-            raise CheckpointError(
-                f"the checkpoint has {len(saved_ids)} workers, this run {self.config.total_workers}; set "
-                "elastic=true to let the worker count change"
-            )
-        current = set(range(self.config.total_workers))
-        for w in sorted(set(saved_ids) - current):
-            self.retired_streams[w] = saved[w]["stream"]
-        for trainer in self.trainers.values():
-            trainer.worker_ids = [w for w in trainer.worker_ids if w in current]
-        joined = sorted(current - set(saved_ids))
-        for w in joined:
-            smallest = min(self.trainers.values(), key=lambda t: (len(t.worker_ids), t.trainer_id))
-            smallest.worker_ids = sorted([*smallest.worker_ids, w])
-            stream = self.retired_streams.pop(w, None)
-            if stream is not None and w in self.workers:
-                self.workers[w].stream.load_state_dict(stream)  # a returning worker reads on where it stopped
-        log.info(
-            "elastic: %d workers in the checkpoint, %d now (retired %s, joined %s)",
-            len(saved_ids),
-            len(current),
-            sorted(set(saved_ids) - current) or "none",
-            joined or "none",
-        )
-        self.resized = (len(saved_ids), len(current))
+        cluster_state.load_state_dict(self, state)
 
 
 def shard_view(comm: Communicator, shards: int) -> Communicator:

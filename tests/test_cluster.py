@@ -88,10 +88,10 @@ def test_equal_shares_keep_the_plain_mean():
 def test_the_time_controller_prices_a_balanced_trainer_at_its_common_step_time():
     cluster = _cluster(["method=adloco", "trainers=1", "workers=2", "batch.round_seconds=0.5", *SLOW_SECOND])
     (trainer,) = cluster.trainers.values()
-    pace = cluster._pace(trainer, None)
+    pace = cluster.batches.pace(trainer, None)
     assert pace is not None and pace.cost.per_sample == pytest.approx(2 / (1 / 0.01 + 1 / 0.03))
     equal = _cluster(["method=adloco", "trainers=1", "workers=2", "batch.round_seconds=0.5", *SLOW_SECOND[1:]])
-    assert equal._pace(next(iter(equal.trainers.values())), None).cost.per_sample == pytest.approx(0.03)
+    assert equal.batches.pace(next(iter(equal.trainers.values())), None).cost.per_sample == pytest.approx(0.03)
 
 
 def test_keep_round_time_scales_h_by_the_samples_a_step_reads():

@@ -6,21 +6,22 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from adloco import cluster_state, trainer_sync
+from adloco.algorithms.batch_tests import GradientStatistics
 from adloco.algorithms.controller import StepCost
 from adloco.algorithms.fragments import assign_fragments
 from adloco.algorithms.sharding import local_shard
-from adloco.algorithms.shares import balanced_split, sample_weights
-from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
-from adloco.batch.policy import TrainerBatch, pace_for
+from adloco.algorithms.switch import MicroBatchPlan
+from adloco.batch.policy import TrainerBatch
+from adloco.batch.rounds import RoundBatches
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
-from adloco.pace import CostModel, Pace, time_steps, timed_batches
+from adloco.pace import CostModel, time_steps, timed_batches
 from adloco.placement import placement, rank_placement
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
 from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build_strategy
@@ -128,6 +129,8 @@ class Cluster:
         self.b_max = {w: int(v[0]) for w, v in shared.items()}
         timed = config.batch.controller == "time" or config.batch.shares == "speed"
         self.costs = self._cost_model(template) if timed else None
+        shape = (config.total_workers, config.sync_every, self.context)
+        self.batches = RoundBatches(config.batch, self.trainers, self.b_max, self.costs, shape, self.collect_statistics)
         self.overhead_seconds = math.nan  # this rank's last round: wall time not spent computing steps
         self.retired_streams: dict[int, dict] = {}  # elastic: streams of workers a resize retired, by worker id
         self.resized: tuple[int, int] | None = None  # elastic: (workers in the checkpoint, workers now)
@@ -227,52 +230,21 @@ class Cluster:
     def owner(self, worker_id: int) -> Trainer:
         return next(t for t in self.trainers.values() if worker_id in t.worker_ids)
 
-    def worker_plan(self, worker_id: int, b_req: int) -> MicroBatchPlan:
-        return plan_micro_batches(b_req, self.b_max[worker_id], self.config.batch.switch_factor)
-
+    # -- the batch policy's side of the round (batch/rounds.py)
     def plans(self) -> dict[int, MicroBatchPlan]:
-        """Each trainer's switch-mode plan for its current b_req (on its first worker's device)."""
-        return {k: self.worker_plan(t.worker_ids[0], t.batch_size) for k, t in self.trainers.items()}
-
-    def shares(self, trainer: Trainer) -> dict[int, int]:
-        """Each worker's part of the trainer's M·b_req samples per step: b_req each, or in proportion to speed.
-        Every rank holds the same costs (pinned, or corrected from the same reports), so all split alike."""
-        if self.config.batch.shares == "equal" or len(trainer.worker_ids) == 1:
-            return dict.fromkeys(trainer.worker_ids, trainer.batch_size)
-        assert self.costs is not None
-        costs = [self.costs.worker_cost(w) for w in trainer.worker_ids]
-        split = balanced_split(trainer.batch_size * len(trainer.worker_ids), costs)
-        return dict(zip(trainer.worker_ids, split, strict=True))
+        return self.batches.plans()
 
     def samples_per_step(self) -> dict[int, int]:
-        """Samples each worker (of every trainer) reads per inner step, following its switch-mode plan."""
-        return {
-            w: self.worker_plan(w, share).samples for t in self.trainers.values() for w, share in self.shares(t).items()
-        }
-
-    def sample_weights(self, samples: Mapping[int, int]) -> dict[int, float]:
-        """Each worker's weight in its trainer's mean pseudo-gradient: its samples over the trainer's mean."""
-        weights = {}
-        for t in self.trainers.values():
-            weights.update(zip(t.worker_ids, sample_weights([samples[w] for w in t.worker_ids]), strict=True))
-        return weights
+        return self.batches.samples_per_step()
 
     def tokens_per_step(self) -> int:
-        """Tokens one inner step reads over all workers."""
-        return sum(self.samples_per_step().values()) * self.context
+        return self.batches.tokens_per_step()
 
     def inner_steps_per_round(self) -> int:
-        """H, or with ``batch.keep_round_time`` H scaled down by how many more samples a step reads than at the
-        start (the same on every rank: it follows the plans)."""
-        config = self.config
-        assert config.sync_every is not None
-        if not config.batch.keep_round_time:
-            return config.sync_every
-        start = config.batch.size * config.total_workers
-        return max(1, round(config.sync_every * start / sum(self.samples_per_step().values())))
+        return self.batches.inner_steps_per_round()
 
-    def statistics_due(self, round_index: int) -> bool:
-        return self.collect_statistics and round_index % self.config.batch.test_every == 0
+    def _cross_worker_statistics(self, trainer: Trainer) -> GradientStatistics:
+        return trainer.cross_worker_statistics(self.comm, self.workers)
 
     def run_round(
         self,
@@ -290,12 +262,12 @@ class Cluster:
         ``tokens_left`` (the budget after this round) bounds how far a time-aware controller grows b."""
         started = time.perf_counter()
         ask = self._asked_by_every_shard(ask)
-        state = RoundState(round_index, steps, first_step, self.statistics_due(round_index))
+        state = RoundState(round_index, steps, first_step, self.batches.statistics_due(round_index))
         state.local = {w: WorkerRound(b_max=self.b_max[w]) for w in self.workers}
         # The plan (samples per step) is fixed for the round: every rank counts the same budget without asking.
         round_samples = self.samples_per_step()
         samples = {w: round_samples[w] for w in self.workers}
-        state.weights = self.sample_weights(round_samples)
+        state.weights = self.batches.sample_weights(round_samples)
         planned_tokens = sum(round_samples.values()) * self.context  # tokens_per_step() of this plan
         lr_scale = {w: self.owner(w).batch.lr_scale for w in self.workers}  # b_req holds still through a round
         for trainer in self.trainers.values():
@@ -315,7 +287,7 @@ class Cluster:
         self.sync.end_of_round(state)
         for worker_id in state.out:
             self.workers[worker_id].reset_optimizer()  # restarts from θ with fresh AdamW moments
-        self._decide_batches(state, tokens_left)
+        self.batches.decide(state, self.sync.taking_part(), self._cross_worker_statistics, tokens_left)
         self.synchronize(state)
         if self.costs is not None:  # after synchronize every rank holds every report: the same costs everywhere
             self.costs.learn(state.reports, round_samples)
@@ -423,24 +395,6 @@ class Cluster:
         record.steps.append(StepRecord(loss=result.loss, tokens=result.tokens, finite=result.finite))
         if result.statistics is not None and result.finite:
             record.statistics = result.statistics
-
-    def _decide_batches(self, state: RoundState, tokens_left: int | None = None) -> None:
-        """The batch test of each trainer this rank takes part in, from the statistics in the round's reports."""
-        if not state.statistics_due:
-            return
-        for trainer in self.sync.taking_part():
-            reports = [state.reports[w] for w in trainer.worker_ids]
-            if self.config.batch.estimator != "cross_worker":
-                trainer.batch.decide_from_reports(reports, self._pace(trainer, tokens_left))
-            elif not any(r.out for r in reports):  # a partial measurement is not a measurement
-                statistics = trainer.cross_worker_statistics(self.comm, self.workers)
-                trainer.batch.decide(statistics, len(reports), self._pace(trainer, tokens_left))
-
-    def _pace(self, trainer: Trainer, tokens_left: int | None) -> Pace | None:
-        # H as it stands now: trainers decided earlier in this round already count with their new b
-        config = self.config
-        return pace_for(config.batch, self.costs, trainer.worker_ids, self.inner_steps_per_round(), tokens_left,
-                        self.context, config.total_workers)  # fmt: skip
 
     def _report(self, state: RoundState) -> RoundReport:
         """The round in numbers, from every worker's report (so every rank writes the same)."""

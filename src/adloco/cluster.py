@@ -21,16 +21,16 @@ from adloco.batch.policy import TrainerBatch
 from adloco.batch.rounds import RoundBatches
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
+from adloco.engine import RankEngine, worker_groups
 from adloco.pace import CostModel, time_steps, timed_batches
 from adloco.placement import placement, rank_placement
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
-from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build_strategy
-from adloco.sync.rounds import SKIPPED_STEP, BoundaryRequest
+from adloco.sync import RoundState, SyncStrategy, WorkerRound, build_strategy
+from adloco.sync.rounds import BoundaryRequest
 from adloco.tasks import Task
 from adloco.trainer import Trainer
 from adloco.trainer_sync import MergeEvent
-from adloco.worker import StepResult, Worker
-from adloco.worker_group import WorkerGroup, stacking_blocker
+from adloco.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +121,13 @@ class Cluster:
         template, b_max = self._build(placement(config.trainers, config.workers))
         self.param_names = [name for name, _ in template.named_parameters()]
         self.param_shapes = [tuple(p.shape) for p in template.parameters()]
-        self.groups = self._worker_groups()
+        self.groups = worker_groups(self.workers, config.batched_workers)
         self.sync: SyncStrategy = build_strategy(config, comm, self.trainers, self.workers)
         # b_max is per worker device, and this table is its one owner: every rank learns every worker's, so all
         # plan the same token budget; an out-of-memory retry lowers it and the round's reports spread the news.
         shared = comm.gather_worker_scalars({w: [float(b_max)] for w in self.workers})
         self.b_max = {w: int(v[0]) for w, v in shared.items()}
+        self.engine = RankEngine(self.workers, self.groups, self.b_max, config.batch)
         timed = config.batch.controller == "time" or config.batch.shares == "speed"
         self.costs = self._cost_model(template) if timed else None
         shape = (config.total_workers, config.sync_every, self.context)
@@ -134,17 +135,6 @@ class Cluster:
         self.overhead_seconds = math.nan  # this rank's last round: wall time not spent computing steps
         self.retired_streams: dict[int, dict] = {}  # elastic: streams of workers a resize retired, by worker id
         self.resized: tuple[int, int] | None = None  # elastic: (workers in the checkpoint, workers now)
-
-    def _worker_groups(self) -> list[WorkerGroup]:
-        """The hosted workers as one stacked group, where the config asks for it and they can be stacked."""
-        if not self.config.batched_workers:
-            return []
-        hosted = [self.workers[w] for w in sorted(self.workers)]
-        reason = stacking_blocker(hosted)
-        if reason is not None:
-            log.info("workers run one at a time: %s", reason)
-            return []
-        return [WorkerGroup(hosted)]
 
     def _cost_model(self, template: torch.nn.Module) -> CostModel:
         """Step costs timed on this rank's device (or pinned in the config), shared so every rank has all."""
@@ -274,10 +264,10 @@ class Cluster:
             trainer.couple_inner_optimizers(self.workers)
         for step in range(steps):
             lr = lr_at(step)
-            self._compute(state, step, samples)
+            self.engine.compute(state, step, samples)
             state.stamp(ask())
             stepping = self.sync.after_backward(state, step)
-            self._step_workers(state, stepping, {w: lr * lr_scale[w] for w in self.workers})
+            self.engine.step_workers(state, stepping, {w: lr * lr_scale[w] for w in self.workers})
             self.sync.after_inner_step(state, step)
             if on_step is not None:
                 on_step(StepProgress(step=step, lr=lr, loss=_local_loss(state, step), tokens=planned_tokens))
@@ -319,82 +309,6 @@ class Cluster:
         mean = self.comm.sum_over_shards(seconds) / self.comm.shards
         state.compute_seconds.update(zip(hosted, mean[:-1].tolist(), strict=True))
         self.overhead_seconds = float(mean[-1])
-
-    def _step_workers(self, state: RoundState, stepping: set[int], lrs: dict[int, float]) -> None:
-        """The inner optimizer step of the workers the strategy lets step; a group steps as one where it can."""
-        pending = dict(self.workers)
-        for group in self.groups:
-            if not set(group.worker_ids) <= stepping:
-                continue
-            begun = time.perf_counter()
-            if group.step([lrs[w] for w in group.worker_ids]):
-                self._share_seconds(state, group.worker_ids, time.perf_counter() - begun)
-                for worker_id in group.worker_ids:
-                    del pending[worker_id]
-        for worker_id, worker in pending.items():
-            if worker_id in stepping:
-                begun = time.perf_counter()
-                worker.step(lrs[worker_id])
-                state.compute_seconds[worker_id] += time.perf_counter() - begun
-            else:
-                worker.optimizer.zero_grad(set_to_none=True)
-
-    @staticmethod
-    def _share_seconds(state: RoundState, worker_ids: list[int], seconds: float) -> None:
-        """A group's time, split evenly over its workers (each worker's cost is its share of the stacked step)."""
-        for worker_id in worker_ids:
-            state.compute_seconds[worker_id] += seconds / len(worker_ids)
-
-    def _compute(self, state: RoundState, step: int, samples: dict[int, int]) -> None:
-        """One inner step's gradients on every hosted worker still in the round."""
-        batch = self.config.batch
-        cross_worker = state.statistics_due and batch.estimator == "cross_worker"
-        stats_step = state.statistics_due and step == 0 and not cross_worker
-        keep_gradient = cross_worker and step == state.steps - 1
-        groups = batch.groups if stats_step else None
-        done = set() if keep_gradient else self._compute_stacked(state, samples, groups)
-        for worker_id in sorted(self.workers):
-            record = state.local[worker_id]
-            if worker_id in done:
-                continue
-            if record.out:
-                record.steps.append(SKIPPED_STEP)
-                continue
-            begun = time.perf_counter()
-            result: StepResult = self.workers[worker_id].compute_gradients(
-                samples[worker_id],
-                self.b_max[worker_id],
-                stats_groups=groups,
-                gram=batch.test == "inner_product",
-                keep_gradient=keep_gradient,
-            )
-            state.compute_seconds[worker_id] += time.perf_counter() - begun
-            self._record_step(state, worker_id, result)
-
-    def _compute_stacked(self, state: RoundState, samples: dict[int, int], stats_groups: int | None) -> set[int]:
-        """The groups whose workers are all in the round with one plan take their step as one; their ids."""
-        done: set[int] = set()
-        for group in self.groups:
-            ids = group.worker_ids
-            plans = {(samples[w], self.b_max[w]) for w in ids}
-            if len(plans) != 1 or any(state.local[w].out for w in ids) or not group.fits:
-                continue
-            begun = time.perf_counter()
-            gram = self.config.batch.test == "inner_product"
-            results = group.compute_gradients(samples[ids[0]], self.b_max[ids[0]], stats_groups, gram)
-            self._share_seconds(state, ids, time.perf_counter() - begun)
-            for worker_id, result in zip(ids, results, strict=True):
-                self._record_step(state, worker_id, result)
-            done.update(ids)
-        return done
-
-    def _record_step(self, state: RoundState, worker_id: int, result: StepResult) -> None:
-        record = state.local[worker_id]
-        if result.b_max < self.b_max[worker_id]:
-            self.b_max[worker_id] = record.b_max = result.b_max
-        record.steps.append(StepRecord(loss=result.loss, tokens=result.tokens, finite=result.finite))
-        if result.statistics is not None and result.finite:
-            record.statistics = result.statistics
 
     def _report(self, state: RoundState) -> RoundReport:
         """The round in numbers, from every worker's report (so every rank writes the same)."""

@@ -22,7 +22,7 @@ from adloco.batch.rounds import RoundBatches
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
 from adloco.engine import RankEngine, worker_groups
-from adloco.pace import CostModel, time_steps, timed_batches
+from adloco.pace import CostModel, pinned_costs, time_steps, timed_batches
 from adloco.placement import placement, rank_placement
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
 from adloco.sync import RoundState, SyncStrategy, WorkerRound, build_strategy
@@ -139,11 +139,9 @@ class Cluster:
     def _cost_model(self, template: torch.nn.Module) -> CostModel:
         """Step costs timed on this rank's device (or pinned in the config), shared so every rank has all."""
         batch = self.config.batch
-        if isinstance(batch.step_seconds, list):
-            pinned = {w: StepCost(*batch.step_seconds[w]) for w in self.worker_rank}
-            return CostModel(pinned, False, batch.round_seconds)
-        if batch.step_seconds is not None:
-            return CostModel(dict.fromkeys(self.worker_rank, StepCost(*batch.step_seconds)), False, batch.round_seconds)
+        pinned = pinned_costs(batch, self.worker_rank)
+        if pinned is not None:
+            return pinned
         worker_id = min(self.workers)
         worker = self.workers[worker_id]
         if self.comm.shards > 1:  # a sharded worker cannot be copied: time its own forward and backward

@@ -14,10 +14,14 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from adloco.algorithms.controller import StepCost, fit_step_cost
 from adloco.algorithms.shares import balanced_cost
 from adloco.sync.rounds import WorkerRound
+
+if TYPE_CHECKING:
+    from adloco.config import BatchConfig
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +112,12 @@ class CostModel:
         self.factor = {w: saved_factor.get(w, 1.0) for w in self.base}
         if self.pinned_round is None:
             self.round_seconds = float(state["round_seconds"])
+
+
+def pinned_costs(batch: BatchConfig, worker_ids: Iterable[int]) -> CostModel | None:
+    """The cost model ``batch.step_seconds`` pins (one [a, c] for every worker, or one per worker id), or None."""
+    if batch.step_seconds is None:
+        return None
+    if isinstance(batch.step_seconds, list):
+        return CostModel({w: StepCost(*batch.step_seconds[w]) for w in worker_ids}, False, batch.round_seconds)
+    return CostModel(dict.fromkeys(worker_ids, StepCost(*batch.step_seconds)), False, batch.round_seconds)

@@ -22,7 +22,7 @@ from adloco.algorithms.flat import flatten, unflatten
 from adloco.algorithms.switch import plan_micro_batches, split_evenly
 from adloco.batch.policy import TrainerBatch, pace_for
 from adloco.config import BatchConfig, ConfigError
-from adloco.pace import CostModel
+from adloco.pace import CostModel, pinned_costs
 from adloco.sync import RoundState, WorkerRound
 from adloco.worker import backward_in_groups, backward_in_micro_batches
 
@@ -255,13 +255,11 @@ def _check_supported(batch: BatchConfig) -> None:
 
 def _pinned_costs(batch: BatchConfig, world_size: int) -> CostModel | None:
     """Step costs pinned in ``batch.step_seconds`` (a worker per rank), or None: measured after the first round."""
-    if batch.controller != "time" or batch.step_seconds is None:
+    if batch.controller != "time":
         return None
-    if isinstance(batch.step_seconds, list):  # one [a, c] per worker
-        if len(batch.step_seconds) != world_size:
-            raise ConfigError(f"batch.step_seconds: {len(batch.step_seconds)} workers given, the job has {world_size}")
-        return CostModel({w: StepCost(*c) for w, c in enumerate(batch.step_seconds)}, False, batch.round_seconds)
-    return CostModel(dict.fromkeys(range(world_size), StepCost(*batch.step_seconds)), False, batch.round_seconds)
+    if isinstance(batch.step_seconds, list) and len(batch.step_seconds) != world_size:
+        raise ConfigError(f"batch.step_seconds: {len(batch.step_seconds)} workers given, the job has {world_size}")
+    return pinned_costs(batch, range(world_size))
 
 
 def _measured_costs(batch: BatchConfig, reports: Sequence[Any], samples: int) -> CostModel:

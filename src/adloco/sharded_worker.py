@@ -17,9 +17,8 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
-from adloco.algorithms.sharding import shard_rows
+from adloco.algorithms.sharding import local_rows, shard_rows, sharded_like
 from adloco.algorithms.switch import split_evenly
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
@@ -109,7 +108,7 @@ class ShardedWorker(Worker):
     @torch.no_grad()
     def set_gradients(self, grads: list[torch.Tensor]) -> None:  # type: ignore[override]
         for p, g in zip(self.model_params, grads, strict=True):
-            p.grad = _distributed_like(p, g.to(self.device, copy=True))
+            p.grad = sharded_like(p, g.to(self.device, copy=True))
 
     def _backward_share(
         self,
@@ -139,28 +138,18 @@ class ShardedWorker(Worker):
 
     def _optimizer_state(self) -> dict:
         state = self.optimizer.state_dict()
-        local = {k: {n: _local(v) for n, v in s.items()} for k, s in state["state"].items()}
+        local = {k: {n: local_rows(v) for n, v in s.items()} for k, s in state["state"].items()}
         return {**state, "state": local}
 
     def _load_optimizer_state(self, state: dict) -> None:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         distributed = {
-            k: {n: _distributed_like(params[int(k)], v) if _moment(v) else v for n, v in s.items()}
+            k: {n: sharded_like(params[int(k)], v) if _moment(v) else v for n, v in s.items()}
             for k, s in state["state"].items()
         }
         self.optimizer.load_state_dict({**state, "state": distributed})
 
 
-def _local(value: Any) -> Any:
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
 def _moment(value: Any) -> bool:
     """A per-element optimizer state (AdamW's moments), not a scalar such as its step count."""
     return torch.is_tensor(value) and value.dim() > 0
-
-
-def _distributed_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (this rank's rows) as a DTensor sharded as ``param`` is."""
-    assert isinstance(param, DTensor)
-    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())

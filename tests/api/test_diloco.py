@@ -1,6 +1,7 @@
 """adloco.DiLoCo in a user's own loop: the numbers of ``adloco train`` (real torchrun processes), resume from the
 user's own checkpoint, state through torch.save and torch.distributed.checkpoint, and clear errors for bad use."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +36,9 @@ STREAMING_FP4 = ["method=streaming", "streaming.fragments=2", "streaming.overlap
                  "codec.error_feedback=true"]  # fmt: skip
 
 
-def _loop(tmp_path: Path, out: Path, settings: list[str], *flags: str) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", str(LOOP), str(out), *flags, *settings]  # fmt: skip
+def _loop(tmp_path: Path, out: Path, settings: list[str], *flags: str, script: Path = LOOP, ranks: int = 2) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
+               f"--master_port={_free_port()}", str(script), str(out), *flags, *settings]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=240, env=_env())
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -72,6 +73,23 @@ def test_a_plain_loop_with_diloco_ends_on_the_bits_of_adloco_train(tmp_path, met
     expected, got = final_params(tmp_path / "cli"), torch.load(out, weights_only=True)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_workers_sharded_with_fsdp2_exchange_their_rows_and_resume_from_dcp(tmp_path):
+    """4 torchrun ranks, 2 workers each sharded over 2 ranks with FSDP2 (examples/sharded_loop.py's loop), DiLoCo
+    over the mesh's other dimension: the θ of the same 2 workers unsharded up to the order of float additions (each
+    worker's gradient is the mean of its shards'), half the bytes per rank; stopped mid-round, saved with DCP and
+    resumed by new objects, the same bits; the whole job or an HSDP mesh as the exchange refused on every rank."""
+    out = tmp_path / "found.json"
+    _loop(tmp_path, out, [], script=LOOP.with_name("sharded_loop_check.py"), ranks=4)
+    for rank in json.loads(out.read_text()):
+        assert rank["rounds"] == 3 and rank["moved"] > 1e-2  # it trained
+        assert 0 < rank["difference"] < 1e-5 and not rank["identical"]
+        assert rank["resumed_identical"]
+        sharded, whole = rank["bytes"]
+        assert 0.49 < sharded / whole < 0.51
+        assert "shards of different rows of a sharded model" in rank["refusals"][0]
+        assert "with a replicated dimension (HSDP)" in rank["refusals"][1]
 
 
 # -- one process: a world of one worker ---------------------------------------------------------------------------

@@ -72,3 +72,19 @@ def recut(columns: Sequence[Any], index: int, count: int, shapes: set[tuple[int,
     if isinstance(first, list | tuple):
         return type(first)(recut([c[i] for c in columns], index, count, shapes) for i in range(len(first)))
     return first
+
+
+def local_rows(tensor: Any) -> Any:
+    """This rank's rows of a sharded tensor (an FSDP2 DTensor); anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def sharded_like(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (this rank's part) laid out as ``param`` is: a DTensor sharded alike, or ``rows`` itself."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return rows
+    return DTensor.from_local(rows, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())

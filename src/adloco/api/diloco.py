@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from adloco.algorithms.batch_tests import BatchSizeController
-from adloco.algorithms.flat import finite_rows
 from adloco.algorithms.outer import OuterFactory
+from adloco.algorithms.sharding import local_rows
 from adloco.api.adaptive import AdaptiveBatch
+from adloco.api.worker import LoopWorker, WorkerShards, finite, worker_shards
 from adloco.batch.policy import TrainerBatch
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.config import ConfigError, TrainConfig, build_config
@@ -28,28 +29,6 @@ from adloco.trainer import Trainer
 
 METHODS = ("diloco", "localsgd", "streaming", "ddp", "adloco")
 _STATE_KEY = "adloco_diloco"
-
-
-class LoopWorker:
-    """The user's model as a sync strategy sees a worker: its trainable parameters, in θ's order."""
-
-    def __init__(self, worker_id: int, params: Sequence[torch.Tensor]) -> None:
-        self.worker_id = worker_id
-        self.params = list(params)
-
-    @torch.no_grad()
-    def load_params(self, theta: Sequence[torch.Tensor]) -> None:
-        for p, t in zip(self.params, theta, strict=True):
-            p.copy_(t)
-
-    def gradients(self) -> list[torch.Tensor]:
-        """The gradients, zeros where a parameter took part in no backward (a DDP mean needs every tensor)."""
-        return [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
-
-    @torch.no_grad()
-    def set_gradients(self, grads: Sequence[torch.Tensor]) -> None:
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = g.to(p.device, dtype=p.dtype, copy=True)
 
 
 def loop_settings(method: str, sync_every: int, world_size: int, sections: dict[str, Any]) -> TrainConfig:
@@ -62,16 +41,18 @@ def loop_settings(method: str, sync_every: int, world_size: int, sections: dict[
 
 
 class DiLoCo:
-    """DiLoCo (or ``method`` = localsgd, streaming, ddp) around ``model`` and its inner ``optimizer``.
+    """DiLoCo (or ``method`` = localsgd, streaming, ddp, adloco) around ``model`` and its inner ``optimizer``.
 
     Use it as a context manager around an unchanged loop (it hooks ``optimizer.step``), or call ``step()`` after
     each ``optimizer.step()``. Every ``sync_every`` inner steps the workers (one per rank of ``process_group``,
-    default: the whole job) exchange their drift and the outer optimizer steps θ. Settings are the config's
-    sections: ``outer`` (lr, momentum, nesterov, overlap), ``streaming`` (fragments, overlap τ, alpha,
-    assignment, shared) and ``codec`` (name, block_size, error_feedback); ``outer_optimizer`` replaces the outer
-    SGD with any torch optimizer made from θ's tensors. Its state (θ, outer state, exchanges in flight, error
-    feedback) comes and goes with ``state_dict``/``load_state_dict``, also as a ``torch.distributed.checkpoint``
-    ``Stateful``.
+    default: the whole job; a process group or a 1-D ``DeviceMesh``) exchange their drift and the outer optimizer
+    steps θ. A model sharded with FSDP2 over other ranks makes each worker span them: every rank exchanges its own
+    rows with the ranks that hold the same rows of the other workers (``process_group=mesh["replicate"]``).
+    Settings are the config's sections: ``outer`` (lr, momentum, nesterov, overlap), ``streaming`` (fragments,
+    overlap τ, alpha, assignment, shared) and ``codec`` (name, block_size, error_feedback); ``outer_optimizer``
+    replaces the outer SGD with any torch optimizer made from θ's tensors. Its state (θ, outer state, exchanges in
+    flight, error feedback) comes and goes with ``state_dict``/``load_state_dict``, also as a
+    ``torch.distributed.checkpoint`` ``Stateful``.
     """
 
     def __init__(
@@ -95,8 +76,10 @@ class DiLoCo:
         _check_optimizer(optimizer, self.params)
         if outer_optimizer is not None and method in ("localsgd", "ddp"):
             raise ValueError(f"method={method!r} has no outer optimizer of its own to replace; use method='diloco'")
-        self.comm = _communicator(process_group, self.params[0].device)
+        self.shards: WorkerShards | None = worker_shards(self.params)  # a worker spanning several ranks (FSDP2)
+        self.comm = _communicator(process_group, local_rows(self.params[0]).device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.global_rank = _global_rank()
         sections = {"outer": outer, "streaming": streaming, "codec": codec, "batch": batch}
         self.config = loop_settings(method, sync_every, self.world_size, sections)
         assert self.config.sync_every is not None
@@ -104,16 +87,19 @@ class DiLoCo:
         self.check_finite = check_finite  # off where a loss scaler already keeps overflowing steps out
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.comm.set_placement({w: w for w in range(self.world_size)})
-        _check_same_job(self.comm, self.rank, self.params, self._fingerprint())
-        self.trainer = _trainer(self.config, self.params, names, self.world_size, outer_optimizer)
-        self.comm.broadcast_tensors(self.trainer.theta, src=0)  # every rank starts from rank 0's parameters
         self.workers = {self.rank: LoopWorker(self.rank, self.params)}
+        _check_same_job(self.comm, self.rank, self._fingerprint())
+        self.trainer = _trainer(self.config, self.workers[self.rank].params, names, self.world_size, outer_optimizer)
+        self.comm.broadcast_tensors(self.trainer.theta, src=0)  # every rank starts from rank 0's parameters
         self.trainer.broadcast(self.workers)
         self.sync: SyncStrategy = build_strategy(
             self.config, self.comm, {0: self.trainer}, self.workers, outer_optimizer
         )
         self.batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
         if self.config.method == "adloco" or batch is not None:
+            if self.shards is not None:
+                raise ValueError("the adaptive batch (method='adloco') takes a model on one rank per worker; a "
+                                 "sharded worker's is adloco train's (shards=S) for now")  # fmt: skip
             self.batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.world_size, self.sync_every,
                                        total_samples)  # fmt: skip
         self.inner_step = 0  # inner steps taken since the start, over every round
@@ -156,7 +142,7 @@ class DiLoCo:
         if len(record.steps) > self.round_step:  # the last step never reached its end: a loss scaler skipped it
             self._after_step()
             record = self._state.local[self.rank]
-        healthy = not self.check_finite or _finite([p.grad for p in self.params if p.grad is not None])
+        healthy = not self.check_finite or self._all_finite([p.grad for p in self.params if p.grad is not None])
         self._record(finite=record.out or healthy)
         stepping = self.sync.after_backward(self._state, self.round_step)
         if self.rank not in stepping:
@@ -204,7 +190,8 @@ class DiLoCo:
     def _end_round(self) -> None:
         state = self._state
         record = state.local[self.rank]
-        if not record.out and not _finite(self.params):  # a step outside the hooks may have diverged
+        healthy = self._all_finite(self.params)
+        if not record.out and not healthy:  # a step outside the hooks may have diverged
             record.out = True
         steps = self.round_step
         if self.batch is not None:
@@ -239,13 +226,21 @@ class DiLoCo:
         self.comm.close()
         self._finished = True
 
+    def _all_finite(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """No NaN or inf in ``tensors``, over every shard of this rank's worker."""
+        healthy = finite(tensors)
+        return healthy if self.shards is None else self.shards.all_agree(healthy)
+
     def _fingerprint(self) -> list[float]:
-        """What every rank must agree on: the method, H, fragments, codec, each rank's model shapes and dtypes."""
+        """What every rank must agree on: the method, H, fragments, codec, each rank's model shapes and dtypes and
+        which shard of its worker it holds (the ranks that exchange hold the same rows of different workers)."""
         config = self.config
         batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.b_max)
         settings = (config.method, self.sync_every, config.streaming.fragments, config.codec.name, batch)
-        model = tuple((tuple(p.shape), str(p.dtype)) for p in self.params)
-        return [float(len(self.params)), float(sum(p.numel() for p in self.params)), _digest(settings), _digest(model)]
+        rows = self.workers[self.rank].params
+        model = tuple((tuple(p.shape), str(p.dtype)) for p in rows)
+        shard = (1, 0) if self.shards is None else (self.shards.count, self.shards.index)
+        return [float(len(rows)), float(sum(p.numel() for p in rows)), _digest(settings), _digest((model, shard))]
 
     @property
     def theta(self) -> list[torch.Tensor]:
@@ -268,12 +263,14 @@ class DiLoCo:
         }
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        return {f"{_STATE_KEY}_rank{self.rank}": buffer.getvalue()}
+        return {self._state_key: buffer.getvalue()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        key = f"{_STATE_KEY}_rank{self.rank}"
+        key = self._state_key
         if key not in state_dict:
-            raise ValueError(f"this state holds no DiLoCo state of rank {self.rank} (keys: {sorted(state_dict)[:4]})")
+            raise ValueError(
+                f"this state holds no DiLoCo state of rank {self.global_rank} (keys: {sorted(state_dict)[:4]})"
+            )
         state = torch.load(io.BytesIO(state_dict[key]), weights_only=True)
         if state["world_size"] != self.world_size:
             raise ValueError(f"the state was saved by {state['world_size']} ranks; this job has {self.world_size}")
@@ -281,7 +278,7 @@ class DiLoCo:
             raise ValueError(f"the state was saved with other settings ({state['settings']}); now {self._settings()}")
         self.trainer.load_state_dict(state["trainer"])
         self.sync.load_state_dict(state["pending"])
-        drifted = [p.detach().clone() for p in self.params]  # the model's own state is the user's to load
+        drifted = [p.clone() for p in self.workers[self.rank].params]  # the model's own state is the user's to load
         self.sync.load_worker_state(self.rank, state["worker"])
         self.workers[self.rank].load_params(drifted)
         self.inner_step = int(state["inner_step"])
@@ -293,6 +290,11 @@ class DiLoCo:
             self.batch.load_state_dict(state["batch"])  # the round's plan and β2 follow the batch it holds
             self.batch.first_step = self.round_step == 0
 
+    @property
+    def _state_key(self) -> str:
+        """This rank's own key: a DCP checkpoint keeps each rank's state apart (each shard of a worker too)."""
+        return f"{_STATE_KEY}_rank{self.global_rank}"
+
     def _settings(self) -> dict[str, Any]:
         """What a saved state only fits: the method, H and the exchange's shape."""
         config = self.config
@@ -303,6 +305,7 @@ class DiLoCo:
             "overlap": config.outer.overlap,
             "codec": config.codec.name,
             "error_feedback": config.codec.error_feedback,
+            "shards": 1 if self.shards is None else self.shards.count,
             **(
                 {} if self.batch is None else {"batch": (config.batch.size, config.batch.test, config.batch.controller)}
             ),
@@ -312,11 +315,6 @@ class DiLoCo:
 def _digest(value: Any) -> float:
     """A number that tells values apart alike in every process (unlike ``hash`` of text)."""
     return float(int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:6], "big"))
-
-
-def _finite(tensors: Sequence[torch.Tensor]) -> bool:
-    rows = [t.reshape(1, -1) for t in tensors if t.numel() > 0]
-    return bool(finite_rows(rows).all()) if rows else True
 
 
 def _check_optimizer(optimizer: Any, params: list[torch.Tensor]) -> None:
@@ -337,21 +335,37 @@ def _communicator(process_group: Any, device: torch.device) -> Communicator:
         if process_group is not None:
             raise ValueError("a process_group was given but torch.distributed is not initialised")
         return LocalCommunicator()
+    from torch.distributed.device_mesh import DeviceMesh
+
     from adloco.comm.distributed import DistributedCommunicator
 
+    if isinstance(process_group, DeviceMesh):
+        if process_group.ndim != 1:
+            raise ValueError(
+                f"DiLoCo exchanges over one mesh dimension, not a {process_group.ndim}-D mesh: give it "
+                "mesh['replicate'] (the dimension across workers)"
+            )
+        process_group = process_group.get_group()
     if process_group is not None and dist.get_rank(process_group) < 0:
         raise ValueError("this rank is not a member of the process_group given to DiLoCo")
     return DistributedCommunicator.on_group(process_group, device=device)
 
 
-def _check_same_job(comm: Communicator, rank: int, params: list[torch.Tensor], fingerprint: list[float]) -> None:
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _check_same_job(comm: Communicator, rank: int, fingerprint: list[float]) -> None:
     """Every rank must hold a model of the same shapes and the same settings: refuse on every rank (rather than
     hang in a collective only some reach, or average unlike tensors)."""
     seen = comm.gather_worker_scalars({rank: fingerprint})
     if any(v != seen[0] for v in seen.values()):
         raise ValueError(
-            "the ranks hold different models or DiLoCo settings (method, sync_every, fragments, codec): every rank "
-            "must build the same model and DiLoCo"
+            "the ranks hold different models or DiLoCo settings (method, sync_every, fragments, codec), or shards "
+            "of different rows of a sharded model: every rank must build the same model and DiLoCo, and a sharded "
+            "model's workers exchange over the ranks holding the same shard (process_group=mesh['replicate'])"
         )
 
 
@@ -364,7 +378,7 @@ def _trainer(
     assert outer.lr is not None and outer.momentum is not None
     return Trainer(
         0,
-        [p.detach() for p in params],
+        [p.detach() for p in params],  # this rank's rows of them when the model is sharded
         list(range(workers)),
         TrainerBatch(1, BatchSizeController("constant", b_cap=1)),  # the loop's own batch; a constant one
         outer_lr=outer.lr,

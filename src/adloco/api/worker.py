@@ -1,0 +1,99 @@
+"""The user's model as the sync strategies see a worker, whole on one rank or sharded over several with FSDP2.
+
+A model under ``fully_shard`` holds DTensor parameters: each rank of its shard group keeps some rows of every
+parameter (and of its gradients and optimizer moments). To DiLoCo that rank is one shard of a worker: its θ,
+outer optimizer and pseudo-gradient are those rows, exchanged with the ranks that hold the same rows of the other
+workers (the replicate dimension), as ``adloco train shards=S`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from adloco.algorithms.flat import finite_rows
+from adloco.algorithms.sharding import local_rows, sharded_like
+
+
+@dataclass(frozen=True)
+class WorkerShards:
+    """This rank's part of a worker that spans several ranks: shard ``index`` of ``count``, over ``group``."""
+
+    group: Any
+    count: int
+    index: int
+
+    def all_agree(self, flag: bool) -> bool:
+        """``flag`` on every shard of this worker (a worker is finite only when all its rows are)."""
+        import torch.distributed as dist
+
+        value = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(value[0] > 0)
+
+
+def worker_shards(params: Sequence[torch.Tensor]) -> WorkerShards | None:
+    """How the model's parameters are sharded over ranks (FSDP2), or None for a whole model on this rank. One
+    clear error for what DiLoCo cannot take apart: a model partly sharded, or sharded with HSDP's replication
+    (which averages gradients across replicas every step: DiLoCo's workers would never drift)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if not sharded:
+        return None
+    if len(sharded) != len(params):
+        raise ValueError(
+            f"{len(params) - len(sharded)} of the model's trainable parameters are not sharded: shard the whole "
+            "model (fully_shard on its root module too)"
+        )
+    mesh = sharded[0].device_mesh
+    if mesh.ndim != 1 or any(not isinstance(place, Shard) for p in sharded for place in p.placements):
+        raise ValueError(
+            "the model is sharded over a mesh with a replicated dimension (HSDP), which averages gradients across "
+            "replicas every step: shard it over the shard dimension only, fully_shard(model, mesh=mesh['shard']), "
+            "and give DiLoCo the other one, process_group=mesh['replicate']"
+        )
+    if any(p.device_mesh != mesh for p in sharded):
+        raise ValueError("the model's parameters are sharded over different meshes: DiLoCo needs one shard group")
+    return WorkerShards(mesh.get_group(), mesh.size(), mesh.get_local_rank())
+
+
+class LoopWorker:
+    """The user's model as a sync strategy sees a worker: its trainable parameters (this rank's rows of them when
+    the model is sharded), in θ's order."""
+
+    def __init__(self, worker_id: int, model_params: Sequence[torch.Tensor]) -> None:
+        self.worker_id = worker_id
+        self.model_params = list(model_params)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        # Views taken anew each time: FSDP may replace a parameter's local storage when it first runs.
+        return [local_rows(p).detach() for p in self.model_params]
+
+    @torch.no_grad()
+    def load_params(self, theta: Sequence[torch.Tensor]) -> None:
+        for p, t in zip(self.params, theta, strict=True):
+            p.copy_(t)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients, zeros where a parameter took part in no backward (a DDP mean needs every tensor)."""
+        return [
+            torch.zeros_like(local_rows(p)) if p.grad is None else local_rows(p.grad).detach()
+            for p in self.model_params
+        ]
+
+    @torch.no_grad()
+    def set_gradients(self, grads: Sequence[torch.Tensor]) -> None:
+        for p, g in zip(self.model_params, grads, strict=True):
+            p.grad = sharded_like(p, g.to(local_rows(p).device, dtype=p.dtype, copy=True))
+
+
+def finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """No NaN or inf in this rank's rows of ``tensors``."""
+    rows = [local_rows(t).reshape(1, -1) for t in tensors]
+    rows = [r for r in rows if r.numel() > 0]
+    return bool(finite_rows(rows).all()) if rows else True

@@ -1,7 +1,7 @@
 """The HF Trainer and Lightning made DiLoCo by adloco's integrations, under torchrun with 2 ranks: each equals, bit
 for bit, a plain loop with adloco.DiLoCo over the framework's own data order, optimizer, schedule and loss, and its
-ranks drift apart within a round (no per-step gradient all-reduce left) and agree at every round's end. A Trainer
-run resumed from its own mid-round checkpoint ends on the same bits."""
+ranks drift apart within a round (no per-step gradient all-reduce left) and agree at every round's end. A run
+resumed from the framework's own mid-round checkpoint ends on the same bits."""
 
 import os
 import subprocess
@@ -36,9 +36,29 @@ def test_a_framework_run_is_diloco_and_equals_the_plain_loop(tmp_path, script, f
         _launch(script, tmp_path / f"{mode}.pt", mode)
     got, plain = torch.load(tmp_path / f"{framework}.pt"), torch.load(tmp_path / "loop.pt")
     assert _same(got, plain)
-    if framework == "trainer":  # the Trainer's own checkpoint after step 6 (mid-round), resumed in a new launch
-        _launch(script, tmp_path / "trainer.pt", "resume")
-        assert _same(got, torch.load(tmp_path / "trainer.pt.resumed"))
+    # the framework's own checkpoint mid-round (the Trainer's after step 6, Lightning's at the end of the first
+    # epoch, step 5), resumed in a new launch
+    _launch(script, tmp_path / f"{framework}.pt", "resume")
+    assert _same(got, torch.load(tmp_path / f"{framework}.pt.resumed"))
     first, second = (torch.load(tmp_path / f"{framework}.pt.rank{r}") for r in (0, 1))
     for step, (a, b) in enumerate(zip(first, second, strict=True), start=1):
         assert (a == b) == (step % SYNC_EVERY == 0), (step, a, b)  # apart within a round, θ at its end
+
+
+def test_a_lightning_fit_resumed_from_a_checkpoint_without_diloco_state_is_refused(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from adloco.integrations.lightning import DiLoCoCallback, pl
+    from tests.integrations.lightning_run import Module, Windows
+
+    def fit(callbacks, steps, **options):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path, callbacks=callbacks)  # fmt: skip
+        trainer.fit(Module(), DataLoader(Windows(4), batch_size=2), **options)
+        return trainer
+
+    plain = fit([], 2)  # Lightning's own checkpoint, no DiLoCo in it
+    saved = next(tmp_path.rglob("*.ckpt"))
+    assert plain.global_step == 2
+    with pytest.raises(ValueError, match="resuming at step 2 from a checkpoint without DiLoCo's state"):
+        fit([DiLoCoCallback(sync_every=2)], 4, ckpt_path=saved)

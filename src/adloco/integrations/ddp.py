@@ -38,5 +38,5 @@ def keep_gradients_local(model: Any, world_size: int) -> None:
     if world_size > 1 and ("FullyShardedDataParallel" in kind or kind.startswith("FSDP") or kind == "DataParallel"):
         raise ValueError(
             f"the model is wrapped in {kind}, which averages gradients every step; DiLoCo works with "
-            "DistributedDataParallel (a worker spanning several ranks: adloco train shards=S)"
+            "DistributedDataParallel (a worker sharded over several ranks: FSDP2 in your own loop, docs/own-loop.md)"
         )

@@ -6,11 +6,17 @@ that communicates nothing, so each rank is a DiLoCo worker. Lightning computes t
 (after backward, before clipping and the step) and hooks only the step's end (a step a loss scaler skipped is
 closed at the next one, so every rank counts alike). Works with ``lightning`` or ``pytorch_lightning``, whichever
 is installed (``lightning`` first); one optimizer, automatic optimization.
+
+Lightning writes rank 0's checkpoint only, while within a round every rank's model and optimizer are its own: the
+callback gathers each rank's model, optimizer and DiLoCo state into the checkpoint (``adloco_diloco``, one entry
+per rank), and a fit resumed from it (``ckpt_path``) gives every rank its own back.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from adloco.api import DiLoCo
 from adloco.integrations.ddp import keep_gradients_local
@@ -29,14 +35,44 @@ class DiLoCoCallback(pl.Callback):
             raise ValueError("method='ddp' is Lightning's own DDP strategy; use it without adloco")
         self.settings = {"sync_every": sync_every, "method": method, **settings}
         self.diloco: DiLoCo | None = None
+        self._resumed: dict[str, Any] | None = None  # this rank's state from the checkpoint a fit resumes from
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if len(trainer.optimizers) != 1:
             raise ValueError(f"DiLoCo wraps one inner optimizer; configure_optimizers gave {len(trainer.optimizers)}")
-        if trainer.global_step > 0:
-            raise ValueError("resuming a Lightning fit with DiLoCo from its checkpoint is not supported yet")
+        if trainer.global_step > 0 and self._resumed is None:
+            raise ValueError(
+                f"resuming at step {trainer.global_step} from a checkpoint without DiLoCo's state (written by a fit "
+                "without DiLoCoCallback): every rank's own model, optimizer and DiLoCo state are needed"
+            )
         keep_gradients_local(trainer.strategy.model, trainer.world_size)
-        self.diloco = DiLoCo(pl_module, trainer.optimizers[0], **self.settings).hook(before=False)
+        optimizer = trainer.optimizers[0]
+        self.diloco = DiLoCo(pl_module, optimizer, **self.settings).hook(before=False)
+        if self._resumed is not None:  # Lightning restored rank 0's model and optimizer on every rank
+            pl_module.load_state_dict(self._resumed["model"])
+            optimizer.load_state_dict(self._resumed["optimizer"])
+            self.diloco.load_state_dict(self._resumed["diloco"])
+            self._resumed = None
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if self.diloco is None:
+            return
+        optimizer = trainer.optimizers[0]
+        mine = {
+            "model": pl_module.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "diloco": self.diloco.state_dict(),
+        }
+        checkpoint[STATE_KEY] = _gather_on_first(_on_cpu(mine))
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get(STATE_KEY)
+        if states is None:
+            return  # refused at the fit's start, where the step it resumes at is known
+        if len(states) != trainer.world_size:
+            raise ValueError(f"the checkpoint holds the DiLoCo state of {len(states)} ranks; this fit has "
+                             f"{trainer.world_size}")  # fmt: skip
+        self._resumed = states[trainer.global_rank]
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self.diloco is not None:
@@ -46,3 +82,28 @@ class DiLoCoCallback(pl.Callback):
         if self.diloco is not None:
             self.diloco.__exit__(None, None, None)
             self.diloco.finish()  # the module is θ, for saving and evaluation
+
+
+STATE_KEY = "adloco_diloco"
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` with every tensor on the CPU: what travels to rank 0 and into its checkpoint."""
+    if torch.is_tensor(value):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
+
+
+def _gather_on_first(mine: Any) -> list[Any] | None:
+    """Every rank's ``mine`` on rank 0, in rank order (None elsewhere): Lightning saves rank 0's checkpoint."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return [mine]
+    everyone: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    return everyone

@@ -32,7 +32,8 @@ def _eager_strategy(theta):
     trainer = Trainer(0, theta, [0, 1], batch, 1.0, 0.0, False)
     comm = LocalCommunicator()
     slots = {0: _Slot(theta), 1: _Slot(theta)}
-    sync = OverlappedSync(config, comm, {0: trainer}, slots, DeltaExchange(comm, None, False, [0, 1]), eager=True)
+    exchange = DeltaExchange(comm, None, False, [0, 1])
+    sync = OverlappedSync(comm, {0: trainer}, slots, exchange, outer=config.outer, eager=True)
     return trainer, sync, slots
 
 

@@ -25,7 +25,7 @@ from adloco.engine import RankEngine, worker_groups
 from adloco.pace import CostModel, pinned_costs, time_steps, timed_batches
 from adloco.placement import placement, rank_placement
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
-from adloco.sync import RoundState, SyncStrategy, WorkerRound, build_strategy
+from adloco.sync import RoundState, SyncSettings, SyncStrategy, WorkerRound, build_strategy
 from adloco.sync.rounds import BoundaryRequest
 from adloco.tasks import Task
 from adloco.trainer import Trainer
@@ -122,7 +122,7 @@ class Cluster:
         self.param_names = [name for name, _ in template.named_parameters()]
         self.param_shapes = [tuple(p.shape) for p in template.parameters()]
         self.groups = worker_groups(self.workers, config.batched_workers)
-        self.sync: SyncStrategy = build_strategy(config, comm, self.trainers, self.workers)
+        self.sync: SyncStrategy = build_strategy(SyncSettings.of(config), comm, self.trainers, self.workers)
         # b_max is per worker device, and this table is its one owner: every rank learns every worker's, so all
         # plan the same token budget; an out-of-memory retry lowers it and the round's reports spread the news.
         shared = comm.gather_worker_scalars({w: [float(b_max)] for w in self.workers})

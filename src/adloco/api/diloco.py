@@ -23,7 +23,7 @@ from adloco.api.worker import LoopWorker, WorkerShards, finite, worker_shards
 from adloco.batch.policy import TrainerBatch
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.config import ConfigError, TrainConfig, build_config
-from adloco.sync import RoundState, StepRecord, SyncStrategy, WorkerRound, build_strategy
+from adloco.sync import RoundState, StepRecord, SyncSettings, SyncStrategy, WorkerRound, build_strategy
 from adloco.sync.rounds import SKIPPED_STEP
 from adloco.trainer import Trainer
 
@@ -93,7 +93,7 @@ class DiLoCo:
         self.comm.broadcast_tensors(self.trainer.theta, src=0)  # every rank starts from rank 0's parameters
         self.trainer.broadcast(self.workers)
         self.sync: SyncStrategy = build_strategy(
-            self.config, self.comm, {0: self.trainer}, self.workers, outer_optimizer
+            SyncSettings.of(self.config), self.comm, {0: self.trainer}, self.workers, outer_optimizer
         )
         self.batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
         if self.config.method == "adloco" or batch is not None:

@@ -1,14 +1,16 @@
-"""Sync strategies: one per method family, chosen once from the config. Each owns its exchanges and its
-per-worker outer state; the cluster and the round loop hold no method branches."""
+"""Sync strategies: one per method family, chosen once from their own settings (the method, H and the config's
+``outer``, ``streaming`` and ``codec`` sections). Each owns its exchanges and its per-worker outer state; the
+cluster, the round loop and a user's loop hold no method branches."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from adloco.algorithms.codecs import get_codec
 from adloco.algorithms.outer import OuterFactory
 from adloco.comm.base import Communicator
-from adloco.config import TrainConfig
+from adloco.config import CodecConfig, OuterConfig, StreamingConfig, TrainConfig
 from adloco.sync.base import SyncStrategy
 from adloco.sync.ddp import DDPSync
 from adloco.sync.diloco import DiLoCoSync
@@ -28,28 +30,50 @@ __all__ = [
     "RoundState",
     "StepRecord",
     "StreamingSync",
+    "SyncSettings",
     "SyncStrategy",
     "WorkerRound",
     "build_strategy",
 ]
 
 
+@dataclass(frozen=True)
+class SyncSettings:
+    """What a sync strategy is built from: the method, H (inner steps per round) and the config's sections for
+    the outer step, streaming fragments and the exchange's codec, validated as ``adloco train`` validates them."""
+
+    method: str
+    sync_every: int
+    outer: OuterConfig
+    streaming: StreamingConfig
+    codec: CodecConfig
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> SyncSettings:
+        assert config.sync_every is not None
+        return cls(config.method, config.sync_every, config.outer, config.streaming, config.codec)
+
+
 def build_strategy(
-    config: TrainConfig,
+    settings: SyncSettings,
     comm: Communicator,
     trainers: dict[int, Trainer],
     workers: Mapping[int, Worker],
     outer_factory: OuterFactory | None = None,
 ) -> SyncStrategy:
-    """The strategy of ``config.method`` (LocalSGD and AdLoCo are DiLoCo with other outer/batch settings);
+    """The strategy of ``settings.method`` (LocalSGD and AdLoCo are DiLoCo with other outer/batch settings);
     ``outer_factory``: the outer optimizer of each worker's own copy under eager overlap (default: outer SGD)."""
-    if config.method == "ddp":
-        return DDPSync(config, comm, trainers, workers)
-    codec = None if config.codec.name == "none" else get_codec(config.codec.name, config.codec.block_size)
-    exchange = DeltaExchange(comm, codec, config.codec.error_feedback, sorted(workers))
-    if config.method == "streaming":
-        return StreamingSync(config, comm, trainers, workers, exchange)
-    if config.outer.overlap != "none":
-        eager = config.outer.overlap == "eager"
-        return OverlappedSync(config, comm, trainers, workers, exchange, eager=eager, outer_factory=outer_factory)
-    return DiLoCoSync(config, comm, trainers, workers, exchange)
+    if settings.method == "ddp":
+        return DDPSync(comm, trainers, workers)
+    codec = None if settings.codec.name == "none" else get_codec(settings.codec.name, settings.codec.block_size)
+    exchange = DeltaExchange(comm, codec, settings.codec.error_feedback, sorted(workers))
+    if settings.method == "streaming":
+        return StreamingSync(
+            comm, trainers, workers, exchange, stream=settings.streaming, sync_every=settings.sync_every
+        )
+    if settings.outer.overlap != "none":
+        eager = settings.outer.overlap == "eager"
+        return OverlappedSync(
+            comm, trainers, workers, exchange, outer=settings.outer, eager=eager, outer_factory=outer_factory
+        )
+    return DiLoCoSync(comm, trainers, workers, exchange)

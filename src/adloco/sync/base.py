@@ -7,7 +7,6 @@ from collections.abc import Mapping
 import torch
 
 from adloco.comm.base import Communicator
-from adloco.config import TrainConfig
 from adloco.sync.exchange import DeltaExchange
 from adloco.sync.rounds import RoundState
 from adloco.trainer import Trainer
@@ -21,10 +20,7 @@ class SyncStrategy:
 
     saves_worker_params = False  # whether a worker's parameters can differ from θ at a round boundary
 
-    def __init__(
-        self, config: TrainConfig, comm: Communicator, trainers: dict[int, Trainer], workers: Mapping[int, Worker]
-    ) -> None:
-        self.config = config
+    def __init__(self, comm: Communicator, trainers: dict[int, Trainer], workers: Mapping[int, Worker]) -> None:
         self.comm = comm
         self.trainers = trainers  # the cluster's own dict: merges remove trainers from it
         self.workers = workers
@@ -81,14 +77,9 @@ class DeltaStrategy(SyncStrategy):
     """The DiLoCo family: workers drift for H steps, then exchange pseudo-gradients Δ (maybe quantized)."""
 
     def __init__(
-        self,
-        config: TrainConfig,
-        comm: Communicator,
-        trainers: dict[int, Trainer],
-        workers: Mapping[int, Worker],
-        exchange: DeltaExchange,
+        self, comm: Communicator, trainers: dict[int, Trainer], workers: Mapping[int, Worker], exchange: DeltaExchange
     ) -> None:
-        super().__init__(config, comm, trainers, workers)
+        super().__init__(comm, trainers, workers)
         self.exchange = exchange
 
     @property

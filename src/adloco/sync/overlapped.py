@@ -10,19 +10,18 @@ for its fresh one, so its own latest drift is never late; θ itself lags by one 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.futures import Future
 
 from adloco.algorithms.outer import OuterFactory, OuterOptimizer, eager_pseudo_gradient, worker_delta
-from adloco.comm.base import Communicator
-from adloco.config import TrainConfig
+from adloco.config import OuterConfig
 from adloco.sync.base import DeltaStrategy, completed
-from adloco.sync.exchange import DeltaExchange, weighted
+from adloco.sync.exchange import weighted
 from adloco.sync.rounds import RoundState
 from adloco.trainer import Trainer
-from adloco.worker import Worker
 
 
 class EagerCopy:
@@ -61,23 +60,14 @@ class EagerCopy:
 class OverlappedSync(DeltaStrategy):
     """``outer.overlap=delayed`` (``eager=False``) or ``eager``."""
 
-    def __init__(
-        self,
-        config: TrainConfig,
-        comm: Communicator,
-        trainers: dict[int, Trainer],
-        workers: Mapping[int, Worker],
-        exchange: DeltaExchange,
-        eager: bool,
-        outer_factory: OuterFactory | None = None,
-    ) -> None:
-        super().__init__(config, comm, trainers, workers, exchange)
-        outer = config.outer
+    def __init__(self, *parts: Any, outer: OuterConfig, eager: bool, outer_factory: OuterFactory | None = None) -> None:
+        """``parts``: DeltaStrategy's (comm, trainers, workers, exchange); the config's ``outer`` section."""
+        super().__init__(*parts)
         self.eager = {
             w: EagerCopy(t.theta, outer.lr, outer.momentum, bool(outer.nesterov), outer_factory)
-            for t in trainers.values()
+            for t in self.trainers.values()
             for w in t.worker_ids
-            if eager and w in workers
+            if eager and w in self.workers
         }
         self.pending: dict[int, Future] = {}  # trainer -> mean Δ sent at the last round boundary
 

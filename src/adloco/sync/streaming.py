@@ -9,11 +9,14 @@ health flags it needs to average over the healthy workers.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.futures import Future
 
 from adloco.algorithms.fragments import mix
 from adloco.algorithms.schedules import fragments_receiving_at, fragments_sending_at
+from adloco.config import StreamingConfig
 from adloco.sync.base import DeltaStrategy, completed
 from adloco.sync.rounds import RoundState
 from adloco.trainer import Trainer
@@ -22,23 +25,26 @@ from adloco.trainer import Trainer
 class StreamingSync(DeltaStrategy):
     saves_worker_params = True  # between syncs a worker's fragments are its own, not θ's
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *parts: Any, stream: StreamingConfig, sync_every: int) -> None:
+        """``parts``: DeltaStrategy's (comm, trainers, workers, exchange); the config's ``streaming`` section and H."""
+        super().__init__(*parts)
+        assert stream.fragments is not None and stream.overlap is not None and stream.alpha is not None
+        self.stream, self.sync_every = stream, sync_every
         # (trainer, fragment) -> (global step at which it is applied, future of the mean Δ_p)
         self.pending: dict[tuple[int, int], tuple[int, Future]] = {}
 
     def after_inner_step(self, state: RoundState, step: int) -> None:
         """Global inner step t (1-based): start the fragments due to send, apply those sent τ steps ago."""
-        stream = self.config.streaming
+        stream = self.stream
         assert stream.fragments is not None and stream.overlap is not None and stream.alpha is not None
         t = state.first_step + step + 1
         for trainer in self.taking_part():
             flags = {w: torch.tensor([float(state.local[w].out)], dtype=torch.float64) for w in self.hosted(trainer)}
-            for p in fragments_sending_at(t, self.config.sync_every, stream.fragments):
+            for p in fragments_sending_at(t, self.sync_every, stream.fragments):
                 future = self.exchange.start(trainer, p, self.workers, state.out, reports=flags, weights=state.weights)
                 self.pending[(trainer.trainer_id, p)] = (t + stream.overlap, future.then(lambda f: f.wait().mean))
         for trainer in self.taking_part():
-            for p in fragments_receiving_at(t, self.config.sync_every, stream.fragments, stream.overlap):
+            for p in fragments_receiving_at(t, self.sync_every, stream.fragments, stream.overlap):
                 _, future = self.pending.pop((trainer.trainer_id, p))
                 self._apply(trainer, p, self.comm.wait(future), stream.alpha)
 
@@ -62,7 +68,7 @@ class StreamingSync(DeltaStrategy):
                     self.workers[worker_id].load_params(trainer.theta)
 
     def flush(self) -> None:
-        alpha = self.config.streaming.alpha or 0.0
+        alpha = self.stream.alpha or 0.0
         for key in sorted(self.pending):
             _, future = self.pending.pop(key)
             self._apply(self.trainers[key[0]], key[1], self.comm.wait(future), alpha)

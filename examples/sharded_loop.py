@@ -5,6 +5,8 @@ ranks (a 2-D mesh: workers × shards), the rounds' exchange over the other dimen
 """
 
 import argparse
+import math
+import resource
 from itertools import islice
 from pathlib import Path
 
@@ -58,7 +60,7 @@ def main(args: argparse.Namespace) -> None:
     worker, index = mesh.get_local_rank("replicate"), mesh.get_local_rank("shard")
     text = Path(args.data).read_bytes() if args.data else bundled_text("tinyshakespeare").encode()
     data = torch.tensor(list(text))
-    model = shard(build_model(args.context), mesh["shard"])
+    model = shard(build_model(args.context, args.hidden, args.layers), mesh["shard"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     diloco = DiLoCo(model, optimizer, sync_every=args.sync_every, process_group=mesh["replicate"])
     batches = islice(windows(data, args.batch, args.context, seed=worker), args.steps)  # one stream per worker
@@ -66,8 +68,13 @@ def main(args: argparse.Namespace) -> None:
     with torch.no_grad():  # every rank takes part: the forward gathers the shards
         held_out = torch.stack([data[-(s + 1) * args.context :][: args.context] for s in range(32)])
         loss = model(input_ids=held_out, labels=held_out).loss.item()
+    # what a rank sent per round and its peak resident memory, the largest over the ranks
+    per_rank = torch.tensor([diloco.comm.stats.wire_bytes / math.ceil(args.steps / args.sync_every),
+                             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])  # fmt: skip
+    dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        print(f"diloco, {mesh.size(0)} workers of {args.shards} ranks: loss {loss:.4f}")
+        print(f"diloco, {mesh.size(0)} workers of {args.shards} ranks: loss {loss:.4f}; per rank {per_rank[0]:,.0f} "
+              f"bytes a round, peak memory {per_rank[1]:,.0f} MB")  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -77,6 +84,8 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=4, help="samples per worker per step (split over its ranks)")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--sync-every", type=int, default=10)
+    parser.add_argument("--hidden", type=int, default=128, help="the model's width")
+    parser.add_argument("--layers", type=int, default=4, help="the model's decoder layers")
     parser.add_argument("--data", default=None, help="a text file (default: the bundled Tiny Shakespeare)")
     main(parser.parse_args())
     end_process_group()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 from datetime import date
@@ -91,3 +92,20 @@ def summarise(metrics_path: Path, name: str, overrides: list[str]) -> dict:
         "curve": curve,
         "batches": batches,
     }
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (for a torchrun job's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(ranks: int) -> tuple[list[str], dict[str, str]]:
+    """The start of a loopback torchrun command of ``ranks`` processes, and its environment: one thread per rank,
+    and no rank variables of an outer job."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}"]  # fmt: skip
+    return command, env

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from common import environment
+from common import environment, free_port
 
 RESULTS = Path(__file__).parent / "results" / "elastic.json"
 RUN = ["method=diloco", "elastic=true", "threads=1", "sync_every=4", "checkpoint.every=1", "comm.timeout_s=20",
@@ -59,7 +58,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def trial(kill_after: int, tokens: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
-        root, port = Path(scratch) / "runs", _free_port()
+        root, port = Path(scratch) / "runs", free_port()
         big = _agent(2, port, root, tokens, Path(scratch) / "big.log")
         time.sleep(1)  # the first agent hosts the rendezvous store
         small = _agent(1, port, root, tokens, Path(scratch) / "small.log")
@@ -82,12 +81,6 @@ def trial(kill_after: int, tokens: int, timeout: float) -> dict:
             "seconds_to_resume": round((at - killed).total_seconds(), 1),
             "finished": "done: val loss" in log,
         }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:

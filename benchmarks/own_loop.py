@@ -12,14 +12,12 @@ writes benchmarks/results/own_loop.json and the table between the markers in doc
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 
-from common import ROOT, environment
+from common import ROOT, environment, torchrun
 from link import publish
 
 EXAMPLE = ROOT / "examples" / "plain_loop.py"
@@ -30,18 +28,9 @@ MARKERS = ("<!-- own-loop:begin -->", "<!-- own-loop:end -->")
 LINE = re.compile(r"(\w+): val loss (\d+\.\d+), ([\d,]+) tokens/s(?:, b \d+ -> (\d+))?")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(mode: str, steps: int, sync_every: int) -> dict:
     """One torchrun job of the example; its final line parsed."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}"]  # fmt: skip
+    command, env = torchrun(2)
     if mode.startswith("adloco"):
         command += [str(ADAPTIVE), "--tokens", str(steps * 2 * 3 * 64), "--controller", mode.split("-")[1]]
     else:

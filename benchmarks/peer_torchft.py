@@ -29,7 +29,6 @@ import math
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ when imported from elsewhere (tests)
-from link import machine, publish  # noqa: E402 - after the path
+from common import free_port  # noqa: E402 - after the path
+from link import machine, publish  # noqa: E402
 
 from adloco.config_input import layered
 
@@ -66,12 +66,6 @@ BASE = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     # RUST_LOG: torchft's Rust side logs every quorum at info level otherwise.
@@ -88,7 +82,7 @@ def overrides_for(tokens: int, sync_every: int, seed: int, extra: list[str] | No
 def run_adloco(overrides: list[str], root: Path, name: str, timeout_s: float) -> dict[str, Any]:
     """adloco's DiLoCo on 2 ranks under torchrun; tokens/s over the training rounds and the final parameters."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1"]
-    command += [f"--master_port={_free_port()}", "-m", "adloco", "train"]
+    command += [f"--master_port={free_port()}", "-m", "adloco", "train"]
     command += layered(overrides, [f"run.root={root}", f"run.name={name}"])
     done = subprocess.run(command, capture_output=True, text=True, cwd=root, timeout=timeout_s, env=_env())
     if done.returncode != 0:
@@ -150,7 +144,7 @@ def replica_main(replica: int, lighthouse: str, overrides: list[str], out: Path)
         model.parameters(), lr=config.outer.lr, momentum=config.outer.momentum, nesterov=bool(config.outer.nesterov)
     )
 
-    store_port = _free_port()
+    store_port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=120)
     manager = Manager(

@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import socket
 import subprocess
-import sys
 
-from common import ROOT, environment
+from common import ROOT, environment, torchrun
 
 EXAMPLE = ROOT / "examples" / "sharded_loop.py"
 RESULTS = ROOT / "benchmarks" / "results" / "sharded_loop.json"
@@ -29,19 +26,11 @@ MARKERS = ("<!-- sharded-loop:begin -->", "<!-- sharded-loop:end -->")
 LINE = re.compile(r"loss (\d+\.\d+); per rank ([\d,]+) bytes a round, peak memory ([\d,]+) MB")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(shards: int, hidden: int, layers: int, steps: int) -> dict:
     """One torchrun job of 2 workers × ``shards`` ranks; the example's last line parsed."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={2 * shards}",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(EXAMPLE), "--shards", str(shards),
-               "--hidden", str(hidden), "--layers", str(layers), "--steps", str(steps)]  # fmt: skip
+    command, env = torchrun(2 * shards)
+    command += [str(EXAMPLE), "--shards", str(shards), "--hidden", str(hidden), "--layers", str(layers), "--steps",
+                str(steps)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3000)
     match = LINE.search(done.stdout)
     if done.returncode != 0 or match is None:

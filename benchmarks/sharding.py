@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from common import environment
+from common import environment, free_port
 
 from adloco.metrics import read_metrics
 from adloco.model import PRESETS, build_model, preset_config
@@ -36,18 +35,12 @@ RUN = ["method=diloco", "workers=2", "sync_every=2", "batch.size=2", "threads=1"
 _BYTE_VOCAB = 256
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run(shards: int, preset: str, context: int, root: Path) -> dict:
     """One torchrun job of 2 workers × ``shards`` ranks; its last round's per-rank figures and final loss."""
     tokens = 2 * 2 * 2 * 2 * context  # workers × batch × H × 2 rounds × context
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={2 * shards}", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}", "-m", "adloco", "train", *RUN, f"model.preset={preset}",
+        f"--master_port={free_port()}", "-m", "adloco", "train", *RUN, f"model.preset={preset}",
         f"model.context={context}", f"total_tokens={tokens}", f"shards={shards}", f"run.root={root}",
         f"run.name=shards_{shards}",
     ]  # fmt: skip

@@ -342,16 +342,13 @@ class Cluster:
     def peak_sync_bytes(self) -> int:
         return self.sync.peak_sync_bytes
 
-    def lead_rank(self, trainer: Trainer) -> int:
-        return self.worker_rank[trainer.worker_ids[0]]
-
     # -- the parts that are not the round's: trainers across ranks and merges (trainer_sync.py), checkpoint
     # state composed from the parts' own (cluster_state.py)
     def synchronize(self, state: RoundState | None = None) -> None:
-        trainer_sync.synchronize(self, state)
+        trainer_sync.synchronize(self.comm, self.trainers, state)
 
     def maybe_merge(self, round_index: int) -> MergeEvent | None:
-        return trainer_sync.maybe_merge(self, round_index)
+        return trainer_sync.maybe_merge(self.comm, self.trainers, self.workers, self.config.merge, round_index)
 
     def state_dict(self) -> dict | None:
         return cluster_state.state_dict(self)

@@ -4,15 +4,19 @@ hosts none of its workers, and merging the trainers with the smallest b_req (AdL
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from adloco.algorithms.merge import merge_weights, merged_batch_size, select_merge_group, weighted_average
+from adloco.comm.base import Communicator
+from adloco.config import MergeConfig
+from adloco.trainer import Trainer
+from adloco.worker import Worker
 
 if TYPE_CHECKING:
-    from adloco.cluster import Cluster
     from adloco.sync import RoundState
 
 log = logging.getLogger("adloco.cluster")
@@ -31,46 +35,52 @@ class MergeEvent:
         return self.__dict__.copy()
 
 
-def synchronize(cluster: Cluster, state: RoundState | None = None) -> None:
-    """Give every rank every trainer's state (and its workers' round reports), from the trainer's lead rank.
+def synchronize(comm: Communicator, trainers: Mapping[int, Trainer], state: RoundState | None = None) -> None:
+    """Give every rank every trainer's state (and its workers' round reports), from the trainer's lead rank (the
+    rank of its first worker).
 
     Only needed when some rank hosts none of a trainer's workers (several trainers on several ranks):
     merges, evaluation, checkpoints and the token count then agree everywhere.
     """
-    if cluster.comm.world_size == 1 or all(
-        set(cluster.comm.ranks_of(t.worker_ids)) == set(range(cluster.comm.world_size))
-        for t in cluster.trainers.values()
+    if comm.world_size == 1 or all(
+        set(comm.ranks_of(t.worker_ids)) == set(range(comm.world_size)) for t in trainers.values()
     ):
         return
-    for trainer in cluster.trainers.values():
-        src = cluster.lead_rank(trainer)
+    for trainer in trainers.values():
+        src = comm.placement[trainer.worker_ids[0]]
         meta = None
-        if cluster.comm.rank == src:
+        if comm.rank == src:
             meta = trainer.sync_metadata()
             if state is not None:
                 meta["reports"] = {w: state.reports[w].to_tensor() for w in trainer.worker_ids}
-        meta = cluster.comm.broadcast_object(meta, src=src)
-        if cluster.comm.rank != src:
+        meta = comm.broadcast_object(meta, src=src)
+        if comm.rank != src:
             trainer.load_sync_metadata(meta)
             if state is not None:
                 state.learn(meta["reports"])
-        cluster.comm.broadcast_tensors(trainer.theta, src)
+        comm.broadcast_tensors(trainer.theta, src)
         buffers = trainer.momentum_buffers()
         if meta["has_momentum"]:
             if any(b is None for b in buffers):
                 trainer.set_momentum_buffers([torch.zeros_like(t) for t in trainer.theta])
                 buffers = trainer.momentum_buffers()
-            cluster.comm.broadcast_tensors(buffers, src)
+            comm.broadcast_tensors(buffers, src)
 
 
-def maybe_merge(cluster: Cluster, round_index: int) -> MergeEvent | None:
-    """Every ``merge.every`` rounds, merge the trainers with the smallest b_req into the first of them."""
-    merge = cluster.config.merge
-    if merge.policy == "off" or len(cluster.trainers) < 2 or (round_index + 1) % merge.every != 0:
+def maybe_merge(
+    comm: Communicator,
+    trainers: dict[int, Trainer],
+    workers: Mapping[int, Worker],
+    merge: MergeConfig,
+    round_index: int,
+) -> MergeEvent | None:
+    """Every ``merge.every`` rounds, merge the trainers with the smallest b_req into the first of them (removed
+    from ``trainers``; their workers, hosted here or not, now belong to it)."""
+    if merge.policy == "off" or len(trainers) < 2 or (round_index + 1) % merge.every != 0:
         return None
-    b_req = {k: t.batch_size for k, t in cluster.trainers.items()}
-    group = select_merge_group(b_req, min(merge.group_size, len(cluster.trainers)))
-    members = [cluster.trainers[k] for k in group]
+    b_req = {k: t.batch_size for k, t in trainers.items()}
+    group = select_merge_group(b_req, min(merge.group_size, len(trainers)))
+    members = [trainers[k] for k in group]
     weights = merge_weights(merge.policy, [t.batch_size for t in members], [len(t.worker_ids) for t in members])
     theta = weighted_average([t.theta for t in members], weights)
     momentum = weighted_average([t.momentum_buffers() for t in members], weights)
@@ -83,9 +93,9 @@ def maybe_merge(cluster: Cluster, round_index: int) -> MergeEvent | None:
     survivor.batch_size = merged_batch_size([t.batch_size for t in members])
     for other in members[1:]:
         survivor.worker_ids = sorted(survivor.worker_ids + other.worker_ids)
-        del cluster.trainers[other.trainer_id]
-    survivor.broadcast(cluster.workers)
-    cluster.comm.register_group(survivor.worker_ids)
+        del trainers[other.trainer_id]
+    survivor.broadcast(workers)
+    comm.register_group(survivor.worker_ids)
     event = MergeEvent(
         round=round_index + 1,
         merged=group,

@@ -85,6 +85,12 @@ class CostModel:
         if self.pinned_round is None and overheads:
             self.round_seconds = (1 - FOLLOW) * self.round_seconds + FOLLOW * max(overheads)
 
+    def include(self, base: Mapping[int, StepCost]) -> None:
+        """Workers the model has not met yet (another trainer's, whose reports a rank learns after the round)."""
+        for worker_id, cost in base.items():
+            if worker_id not in self.base:
+                self.base[worker_id], self.factor[worker_id] = cost, 1.0
+
     def worker_cost(self, worker_id: int) -> StepCost:
         """One worker's step cost as the real steps have corrected it."""
         return self.base[worker_id].scaled(self.factor[worker_id])

@@ -50,9 +50,11 @@ def main(out: str, args: list[str]) -> None:
     group = dist.new_group(list(range(world))) if "--own-group" in args else None  # a group the user made
     if config.method == "adloco":
         sections["batch"] = config.batch.model_dump()
+    if config.trainers > 1:
+        sections["merge"] = config.merge.model_dump()
     diloco = DiLoCo(
         model, optimizer, config.sync_every, config.method, codec=config.codec.model_dump(), process_group=group,
-        total_samples=config.total_tokens // task.context, **sections,
+        total_samples=config.total_tokens // task.context, trainers=config.trainers, **sections,
     )  # fmt: skip
     if diloco.batch is not None:
         _adaptive_rounds(config, task, model, optimizer, stream, diloco, world)
@@ -93,16 +95,15 @@ def main(out: str, args: list[str]) -> None:
 
 
 def _adaptive_rounds(config, task, model, optimizer, stream, diloco, world: int) -> None:
-    """Rounds whose batch the adaptive batch decides; the budget cut as adloco train cuts it, in tokens."""
-    inner, batch, tokens_before, step = config.inner, diloco.batch, 0, 0
+    """Rounds whose batch the adaptive batch decides (each trainer its own); the budget cut as adloco train cuts
+    it, in tokens over every trainer's workers."""
+    inner, batch, step = config.inner, diloco.batch, 0
     with diloco:
-        while tokens_before < config.total_tokens:
-            per_step = world * batch.plan.samples * task.context
+        while batch.samples_done * task.context < config.total_tokens:
+            tokens_before, per_step = batch.samples_done * task.context, batch.job_samples * task.context
             steps = min(config.sync_every, math.ceil((config.total_tokens - tokens_before) / per_step))
-            read = 0  # tokens: a statistics step may read more samples than planned; the budget counts them
             for round_step in range(steps):
                 inputs, targets = stream.next_batch(batch.samples)
-                read += world * inputs.numel()
                 optimizer.zero_grad(set_to_none=True)
                 batch.backward(lambda x, y: task.loss(model, x, y), inputs, targets)
                 if inner.clip is not None:
@@ -113,8 +114,11 @@ def _adaptive_rounds(config, task, model, optimizer, stream, diloco, world: int)
                     group["lr"] = lr
                 optimizer.step()
                 step += 1
-            tokens_before += read
+            if steps < config.sync_every:
+                break  # the budget cut this round short: its steps cover what was left
     diloco.finish(into_model=False)  # a last round the budget cut short ends here, as adloco train's does
+    if config.trainers > 1:
+        assert diloco.merges, "the trainers were to merge"
 
 
 if __name__ == "__main__":

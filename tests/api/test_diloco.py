@@ -32,6 +32,8 @@ SETTINGS = [
     "run.progress=false",
     "run.trackers=[]",
 ]
+MERGES = ["method=adloco", "trainers=2", "workers=1", "sync_every=2", "batch.size=1", "batch.controller=test",
+          "batch.eta=1.5", "batch.b_cap=64", "merge.every=2", "total_tokens=1200"]  # fmt: skip
 STREAMING_FP4 = ["method=streaming", "streaming.fragments=2", "streaming.overlap=1", "codec.name=fp4-e2m1",
                  "codec.error_feedback=true"]  # fmt: skip
 
@@ -56,8 +58,10 @@ def _loop(tmp_path: Path, out: Path, settings: list[str], *flags: str, script: P
             [],
             None,
         ),
+        # two trainers of one worker each, their own batch tests (b 3 and 15), merged after round 2 (weights by b)
+        (MERGES, [], None),
     ],
-    ids=["diloco-own-group", "streaming-fp4-ef-resumed-mid-round", "ddp", "adloco-time-controller"],
+    ids=["diloco-own-group", "streaming-fp4-ef-resumed-mid-round", "ddp", "adloco-time-controller", "adloco-merges"],
 )
 def test_a_plain_loop_with_diloco_ends_on_the_bits_of_adloco_train(tmp_path, method, flags, stop_after):
     """Two torchrun ranks; the loop reads the samples adloco train's workers read (the first case over a process

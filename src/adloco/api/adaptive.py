@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,11 +19,12 @@ import torch
 from adloco.algorithms.batch_tests import GroupedGradient
 from adloco.algorithms.controller import StepCost, fit_step_cost
 from adloco.algorithms.flat import flatten, unflatten
-from adloco.algorithms.switch import plan_micro_batches, split_evenly
+from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches, split_evenly
 from adloco.batch.policy import TrainerBatch, pace_for
 from adloco.config import BatchConfig, ConfigError
 from adloco.pace import CostModel, pinned_costs
 from adloco.sync import RoundState, WorkerRound
+from adloco.trainer import Trainer
 from adloco.worker import backward_in_groups, backward_in_micro_batches
 
 
@@ -40,26 +41,48 @@ class AdaptiveBatch:
         batch: BatchConfig,
         optimizer: torch.optim.Optimizer,
         params: Sequence[torch.Tensor],
-        world_size: int,
+        trainers: Mapping[int, Trainer],
+        worker_id: int,
         sync_every: int,
         total_samples: int | None = None,
     ) -> None:
         _check_supported(batch)
         self.config, self.optimizer, self.params = batch, optimizer, list(params)
-        self.world_size, self.sync_every, self.total_samples = world_size, sync_every, total_samples
-        self.policy = TrainerBatch.from_config(batch)
+        self.trainers, self.worker_id = trainers, worker_id  # the loop's own dict: merges remove trainers from it
+        self.total_workers = sum(len(t.worker_ids) for t in trainers.values())
+        self.sync_every, self.total_samples = sync_every, total_samples
         self.b_max = batch.b_max or batch.b_cap  # no probe of the user's model: given, or the test's cap
-        self.costs = _pinned_costs(batch, world_size)
+        self.costs = _pinned_costs(batch, self.total_workers)
         self.samples_done = 0  # samples the rounds that ended read, over every worker (the budget's count)
         self.samples_read = 0  # by this worker in the round in progress
         self.base_beta2 = [group["betas"][1] if "betas" in group else None for group in optimizer.param_groups]
-        self.plan = plan_micro_batches(self.policy.size, self.b_max, batch.switch_factor)
+        self.plans = self._plans()
         self.statistics_due = False
         self.first_step = True  # of the round in progress
         self.statistics = None
         self.compute_seconds = 0.0
         self._round_started = time.perf_counter()
         self._lrs: list[float] | None = None
+
+    @property
+    def trainer(self) -> Trainer:
+        """The trainer this rank's worker belongs to (another one after a merge)."""
+        return next(t for t in self.trainers.values() if self.worker_id in t.worker_ids)
+
+    @property
+    def policy(self) -> TrainerBatch:
+        """b_req and what moves it: this worker's trainer's (``adloco.batch``'s ``TrainerBatch``)."""
+        return self.trainer.batch
+
+    @property
+    def plan(self) -> MicroBatchPlan:
+        """The round's micro-batches on this rank."""
+        return self.plans[self.trainer.trainer_id]
+
+    def _plans(self) -> dict[int, MicroBatchPlan]:
+        return {
+            k: plan_micro_batches(t.batch.size, self.b_max, self.config.switch_factor) for k, t in self.trainers.items()
+        }
 
     # -- the round -----------------------------------------------------------------------------------------------
     def start_round(self, round_index: int) -> None:
@@ -70,7 +93,7 @@ class AdaptiveBatch:
         self._follow_batch()
 
     def _follow_batch(self) -> None:
-        self.plan = plan_micro_batches(self.policy.size, self.b_max, self.config.switch_factor)
+        self.plans = self._plans()
         for group, base in zip(self.optimizer.param_groups, self.base_beta2, strict=True):
             if base is not None:
                 group["betas"] = (group["betas"][0], self.policy.beta2(base))
@@ -162,18 +185,40 @@ class AdaptiveBatch:
         record.overhead_seconds = max(0.0, time.perf_counter() - self._round_started - self.compute_seconds)
 
     def after_round(self, state: RoundState, steps: int) -> None:
-        """The round's end (every report in): the next batch, decided alike on every rank."""
-        reports = [state.reports[w] for w in range(self.world_size)]
+        """The round's end (its trainer's reports in): this worker's trainer decides its next batch, alike on every
+        rank of the trainer."""
+        trainer = self.trainer
+        reports = {w: state.reports[w] for w in trainer.worker_ids}
         if self.costs is None and self.config.controller == "time":
-            self.costs = _measured_costs(self.config, reports, self.plan.samples)
+            self.costs = _measured_costs(self.config, reports, dict.fromkeys(reports, self.plan.samples))
         if state.statistics_due:  # the budget left after this round as planned (what it read counts from the next)
-            planned = self.samples_done + steps * self.plan.samples * self.world_size
+            planned = self.samples_done + steps * self.job_samples
             left = None if self.total_samples is None else self.total_samples - planned
-            pace = pace_for(self.config, self.costs, range(self.world_size), self.sync_every, left, 1, self.world_size)
-            self.policy.decide_from_reports(reports, pace)
-        self.samples_done += self.samples_read * self.world_size  # every worker reads as many (equal shares)
+            pace = pace_for(self.config, self.costs, trainer.worker_ids, self.sync_every, left, 1, self.total_workers)
+            self.policy.decide_from_reports(list(reports.values()), pace)
+
+    def account(self, state: RoundState, steps: int) -> None:
+        """After every trainer's reports reached every rank: the samples the round read (the budget) and the
+        costs they measured."""
+        for k, t in self.trainers.items():
+            if self.worker_id in t.worker_ids:  # what this worker read, as each of its trainer's workers did
+                self.samples_done += self.samples_read * len(t.worker_ids)
+                continue
+            extra = max(self.plans[k].samples, 2) - self.plans[k].samples if state.statistics_due and steps else 0
+            self.samples_done += (steps * self.plans[k].samples + extra) * len(t.worker_ids)
         if self.costs is not None:
-            self.costs.learn(dict(enumerate(reports)), dict.fromkeys(range(self.world_size), self.plan.samples))
+            reports = {w: state.reports[w] for t in self.trainers.values() for w in t.worker_ids}
+            samples = {w: self.plans[k].samples for k, t in self.trainers.items() for w in t.worker_ids}
+            unmet = {w: r for w, r in reports.items() if w not in self.costs.base}  # another trainer's workers
+            if unmet:
+                self.costs.include(_measured_costs(self.config, unmet, samples).base)
+            self.costs.learn(reports, samples)
+
+    @property
+    def job_samples(self) -> int:
+        """Samples one inner step of the round reads over every worker of every trainer, as the plans say (the
+        budget's unit; a statistics step reads more where b < 2)."""
+        return sum(self.plans[k].samples * len(t.worker_ids) for k, t in self.trainers.items())
 
     @property
     def last_decision(self) -> dict | None:
@@ -188,15 +233,14 @@ class AdaptiveBatch:
 
     # -- state ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The costs and the budget spent (b and its controllers are the trainer's, in its own state)."""
         return {
-            "policy": self.policy.state_dict(),
             "costs": None if self.costs is None else self.costs.state_dict(),
             "samples_done": self.samples_done,
             "samples_read": self.samples_read,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.policy.load_state_dict(state["policy"])
         if state["costs"] is not None:
             base = {int(w): StepCost(*c) for w, c in state["costs"]["base"].items()}
             self.costs = self.costs or CostModel(base, self.config.step_seconds is None, self.config.round_seconds)
@@ -262,10 +306,10 @@ def _pinned_costs(batch: BatchConfig, world_size: int) -> CostModel | None:
     return pinned_costs(batch, range(world_size))
 
 
-def _measured_costs(batch: BatchConfig, reports: Sequence[Any], samples: int) -> CostModel:
+def _measured_costs(batch: BatchConfig, reports: Mapping[int, WorkerRound], samples: Mapping[int, int]) -> CostModel:
     """Each worker's step cost from the first round's own steps (proportional to b until later rounds correct it)."""
     base = {}
-    for w, report in enumerate(reports):
+    for w, report in reports.items():
         seconds = report.step_seconds if math.isfinite(report.step_seconds) else 0.0
-        base[w] = fit_step_cost([(samples, seconds)])
+        base[w] = fit_step_cost([(samples[w], seconds)])
     return CostModel(base, True, batch.round_seconds)

@@ -23,21 +23,28 @@ from adloco.api.worker import LoopWorker, WorkerShards, finite, worker_shards
 from adloco.batch.policy import TrainerBatch
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.config import ConfigError, TrainConfig, build_config
+from adloco.placement import placement
 from adloco.sync import RoundState, StepRecord, SyncSettings, SyncStrategy, WorkerRound, build_strategy
 from adloco.sync.rounds import SKIPPED_STEP
 from adloco.trainer import Trainer
+from adloco.trainer_sync import MergeEvent, maybe_merge, synchronize
 
 METHODS = ("diloco", "localsgd", "streaming", "ddp", "adloco")
 _STATE_KEY = "adloco_diloco"
 
 
-def loop_settings(method: str, sync_every: int, world_size: int, sections: dict[str, Any]) -> TrainConfig:
+def loop_settings(
+    method: str, sync_every: int, world_size: int, sections: dict[str, Any], trainers: int = 1
+) -> TrainConfig:
     """The settings of a user's loop, validated exactly as ``adloco train`` validates its config (the same keys,
     defaults per method and one-line errors)."""
     if method not in METHODS:
         raise ConfigError(f"method: {method!r} is not one of {', '.join(METHODS)}")
+    if trainers < 1 or world_size % trainers:
+        raise ConfigError(f"trainers: {world_size} rank(s) do not split into {trainers} trainers of as many workers")
     given = {name: dict(value) for name, value in sections.items() if value is not None}
-    return build_config({"method": method, "sync_every": sync_every, "workers": world_size, **given})
+    settings = {"method": method, "sync_every": sync_every, "trainers": trainers, "workers": world_size // trainers}
+    return build_config({**settings, **given})
 
 
 class DiLoCo:
@@ -50,7 +57,8 @@ class DiLoCo:
     rows with the ranks that hold the same rows of the other workers (``process_group=mesh["replicate"]``).
     Settings are the config's sections: ``outer`` (lr, momentum, nesterov, overlap), ``streaming`` (fragments,
     overlap τ, alpha, assignment, shared) and ``codec`` (name, block_size, error_feedback); ``outer_optimizer``
-    replaces the outer SGD with any torch optimizer made from θ's tensors. Its state (θ, outer state, exchanges in
+    replaces the outer SGD with any torch optimizer made from θ's tensors; ``trainers`` splits the job into that
+    many trainers, merged as ``merge`` (the config's section) says. Its state (θ, outer state, exchanges in
     flight, error feedback) comes and goes with ``state_dict``/``load_state_dict``, also as a
     ``torch.distributed.checkpoint`` ``Stateful``.
     """
@@ -70,6 +78,8 @@ class DiLoCo:
         check_finite: bool = True,
         batch: dict[str, Any] | None = None,
         total_samples: int | None = None,
+        trainers: int = 1,
+        merge: dict[str, Any] | None = None,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -80,8 +90,10 @@ class DiLoCo:
         self.comm = _communicator(process_group, local_rows(self.params[0]).device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.global_rank = _global_rank()
-        sections = {"outer": outer, "streaming": streaming, "codec": codec, "batch": batch}
-        self.config = loop_settings(method, sync_every, self.world_size, sections)
+        if trainers > 1 and (self.shards is not None or process_group is not None):
+            raise ValueError("several trainers take a job of one rank per worker over the default process group")
+        sections = {"outer": outer, "streaming": streaming, "codec": codec, "batch": batch, "merge": merge}
+        self.config = loop_settings(method, sync_every, self.world_size, sections, trainers)
         assert self.config.sync_every is not None
         self.sync_every = self.config.sync_every
         self.check_finite = check_finite  # off where a loss scaler already keeps overflowing steps out
@@ -89,19 +101,23 @@ class DiLoCo:
         self.comm.set_placement({w: w for w in range(self.world_size)})
         self.workers = {self.rank: LoopWorker(self.rank, self.params)}
         _check_same_job(self.comm, self.rank, self._fingerprint())
-        self.trainer = _trainer(self.config, self.workers[self.rank].params, names, self.world_size, outer_optimizer)
-        self.comm.broadcast_tensors(self.trainer.theta, src=0)  # every rank starts from rank 0's parameters
+        adaptive = self.config.method == "adloco" or batch is not None
+        self.trainers = _trainers(self.config, self.workers[self.rank].params, names, outer_optimizer, adaptive)
+        for trainer in self.trainers.values():  # each trainer starts from its first worker's parameters
+            self.comm.broadcast_tensors(trainer.theta, src=trainer.worker_ids[0])
+            self.comm.register_group(trainer.worker_ids)
         self.trainer.broadcast(self.workers)
         self.sync: SyncStrategy = build_strategy(
-            SyncSettings.of(self.config), self.comm, {0: self.trainer}, self.workers, outer_optimizer
+            SyncSettings.of(self.config), self.comm, self.trainers, self.workers, outer_optimizer
         )
+        self.merges: list[MergeEvent] = []  # the merges of several trainers, as they happened
         self.batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
-        if self.config.method == "adloco" or batch is not None:
+        if adaptive:
             if self.shards is not None:
                 raise ValueError("the adaptive batch (method='adloco') takes a model on one rank per worker; a "
                                  "sharded worker's is adloco train's (shards=S) for now")  # fmt: skip
-            self.batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.world_size, self.sync_every,
-                                       total_samples)  # fmt: skip
+            self.batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.trainers, self.rank,
+                                       self.sync_every, total_samples)  # fmt: skip
         self.inner_step = 0  # inner steps taken since the start, over every round
         self._state = self._new_round()
         self._hooks: list[Any] = []
@@ -199,10 +215,29 @@ class DiLoCo:
         self.sync.end_of_round(state)
         if self.batch is not None:
             self.batch.after_round(state, steps)
+        self._across_trainers(state, steps)
         if record.out:
             self.optimizer.state.clear()  # it restarts from θ (the strategy saw to that); its moments may hold NaN
         self.last_round = state
         self._state = self._new_round()
+
+    def _across_trainers(self, state: RoundState, steps: int) -> None:
+        """Every trainer's state and reports to every rank (several trainers: each rank runs one), the round's
+        samples counted, and AdLoCo's merge when one is due (``merge.every`` rounds)."""
+        several = len(self.trainers) > 1
+        if several:
+            synchronize(self.comm, self.trainers, state)
+        if self.batch is not None:
+            self.batch.account(state, steps)
+        if several:
+            event = maybe_merge(self.comm, self.trainers, self.workers, self.config.merge, state.index)
+            if event is not None:
+                self.merges.append(event)
+
+    @property
+    def trainer(self) -> Trainer:
+        """The trainer this rank's worker belongs to (with several trainers, another one after a merge)."""
+        return next(t for t in self.trainers.values() if self.rank in t.worker_ids)
 
     def flush(self) -> None:
         """Apply the exchanges still in flight (streaming, overlap) to θ and the model: at the end of training."""
@@ -236,7 +271,14 @@ class DiLoCo:
         which shard of its worker it holds (the ranks that exchange hold the same rows of different workers)."""
         config = self.config
         batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.b_max)
-        settings = (config.method, self.sync_every, config.streaming.fragments, config.codec.name, batch)
+        settings = (
+            config.method,
+            self.sync_every,
+            config.streaming.fragments,
+            config.codec.name,
+            batch,
+            config.trainers,
+        )
         rows = self.workers[self.rank].params
         model = tuple((tuple(p.shape), str(p.dtype)) for p in rows)
         shard = (1, 0) if self.shards is None else (self.shards.count, self.shards.index)
@@ -255,7 +297,7 @@ class DiLoCo:
             "inner_step": self.inner_step,
             "world_size": self.world_size,
             "settings": self._settings(),
-            "trainer": self.trainer.state_dict(),
+            "trainers": {k: trainer.state_dict() for k, trainer in self.trainers.items()},
             "pending": self.sync.state_dict(),
             "worker": self.sync.worker_state(self.rank),
             "round": self._state.local[self.rank].to_tensor(),
@@ -276,7 +318,12 @@ class DiLoCo:
             raise ValueError(f"the state was saved by {state['world_size']} ranks; this job has {self.world_size}")
         if state.get("settings", self._settings()) != self._settings():
             raise ValueError(f"the state was saved with other settings ({state['settings']}); now {self._settings()}")
-        self.trainer.load_state_dict(state["trainer"])
+        saved = {int(k): trainer for k, trainer in state["trainers"].items()}
+        for merged in [k for k in self.trainers if k not in saved]:
+            del self.trainers[merged]  # merged into another before the state was saved
+        for k, trainer in saved.items():
+            self.trainers[k].load_state_dict(trainer)
+            self.comm.register_group(self.trainers[k].worker_ids)
         self.sync.load_state_dict(state["pending"])
         drifted = [p.clone() for p in self.workers[self.rank].params]  # the model's own state is the user's to load
         self.sync.load_worker_state(self.rank, state["worker"])
@@ -306,6 +353,7 @@ class DiLoCo:
             "codec": config.codec.name,
             "error_feedback": config.codec.error_feedback,
             "shards": 1 if self.shards is None else self.shards.count,
+            "trainers": config.trainers,
             **(
                 {} if self.batch is None else {"batch": (config.batch.size, config.batch.test, config.batch.controller)}
             ),
@@ -369,21 +417,28 @@ def _check_same_job(comm: Communicator, rank: int, fingerprint: list[float]) -> 
         )
 
 
-def _trainer(
-    config: TrainConfig, params: list[torch.Tensor], names: list[str], workers: int, factory: OuterFactory | None
-) -> Trainer:
+def _trainers(
+    config: TrainConfig, params: list[torch.Tensor], names: list[str], factory: OuterFactory | None, adaptive: bool
+) -> dict[int, Trainer]:
+    """The job's trainers, each over its workers (trainer k: ranks k·M … k·M + M − 1), θ from ``params`` for now;
+    with the adaptive batch each holds its own ``TrainerBatch``, else a constant one (the loop's own batch)."""
     from adloco.cluster import parameter_fragments
 
     outer = config.outer
-    assert outer.lr is not None and outer.momentum is not None
-    return Trainer(
-        0,
-        [p.detach() for p in params],  # this rank's rows of them when the model is sharded
-        list(range(workers)),
-        TrainerBatch(1, BatchSizeController("constant", b_cap=1)),  # the loop's own batch; a constant one
-        outer_lr=outer.lr,
-        outer_momentum=outer.momentum,
-        nesterov=bool(outer.nesterov),
-        fragments=parameter_fragments(config, names),
-        outer_factory=factory,
-    )
+    assert outer.lr is not None and outer.momentum is not None and config.trainers and config.workers
+    return {
+        k: Trainer(
+            k,
+            [p.detach() for p in params],  # this rank's rows of them when the model is sharded
+            worker_ids,
+            TrainerBatch.from_config(config.batch)
+            if adaptive
+            else TrainerBatch(1, BatchSizeController("constant", b_cap=1)),
+            outer_lr=outer.lr,
+            outer_momentum=outer.momentum,
+            nesterov=bool(outer.nesterov),
+            fragments=parameter_fragments(config, names),
+            outer_factory=factory,
+        )
+        for k, worker_ids in placement(config.trainers, config.workers).items()
+    }

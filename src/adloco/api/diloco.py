@@ -100,7 +100,7 @@ class DiLoCo:
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.comm.set_placement({w: w for w in range(self.world_size)})
         self.workers = {self.rank: LoopWorker(self.rank, self.params)}
-        _check_same_job(self.comm, self.rank, self._fingerprint())
+        _check_same_job(self.comm, self.rank, _fingerprint(self.config, self.workers[self.rank].params, self.shards))
         adaptive = self.config.method == "adloco" or batch is not None
         self.trainers = _trainers(self.config, self.workers[self.rank].params, names, outer_optimizer, adaptive)
         for trainer in self.trainers.values():  # each trainer starts from its first worker's parameters
@@ -266,24 +266,6 @@ class DiLoCo:
         healthy = finite(tensors)
         return healthy if self.shards is None else self.shards.all_agree(healthy)
 
-    def _fingerprint(self) -> list[float]:
-        """What every rank must agree on: the method, H, fragments, codec, each rank's model shapes and dtypes and
-        which shard of its worker it holds (the ranks that exchange hold the same rows of different workers)."""
-        config = self.config
-        batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.b_max)
-        settings = (
-            config.method,
-            self.sync_every,
-            config.streaming.fragments,
-            config.codec.name,
-            batch,
-            config.trainers,
-        )
-        rows = self.workers[self.rank].params
-        model = tuple((tuple(p.shape), str(p.dtype)) for p in rows)
-        shard = (1, 0) if self.shards is None else (self.shards.count, self.shards.index)
-        return [float(len(rows)), float(sum(p.numel() for p in rows)), _digest(settings), _digest((model, shard))]
-
     @property
     def theta(self) -> list[torch.Tensor]:
         """The global parameters θ (the model itself drifts from them within a round)."""
@@ -296,7 +278,7 @@ class DiLoCo:
         state = {
             "inner_step": self.inner_step,
             "world_size": self.world_size,
-            "settings": self._settings(),
+            "settings": _settings(self.config, self.shards, self.batch is not None),
             "trainers": {k: trainer.state_dict() for k, trainer in self.trainers.items()},
             "pending": self.sync.state_dict(),
             "worker": self.sync.worker_state(self.rank),
@@ -316,8 +298,9 @@ class DiLoCo:
         state = torch.load(io.BytesIO(state_dict[key]), weights_only=True)
         if state["world_size"] != self.world_size:
             raise ValueError(f"the state was saved by {state['world_size']} ranks; this job has {self.world_size}")
-        if state.get("settings", self._settings()) != self._settings():
-            raise ValueError(f"the state was saved with other settings ({state['settings']}); now {self._settings()}")
+        settings = _settings(self.config, self.shards, self.batch is not None)
+        if state.get("settings", settings) != settings:
+            raise ValueError(f"the state was saved with other settings ({state['settings']}); now {settings}")
         saved = {int(k): trainer for k, trainer in state["trainers"].items()}
         for merged in [k for k in self.trainers if k not in saved]:
             del self.trainers[merged]  # merged into another before the state was saved
@@ -342,22 +325,30 @@ class DiLoCo:
         """This rank's own key: a DCP checkpoint keeps each rank's state apart (each shard of a worker too)."""
         return f"{_STATE_KEY}_rank{self.global_rank}"
 
-    def _settings(self) -> dict[str, Any]:
-        """What a saved state only fits: the method, H and the exchange's shape."""
-        config = self.config
-        return {
-            "method": config.method,
-            "sync_every": self.sync_every,
-            "fragments": config.streaming.fragments,
-            "overlap": config.outer.overlap,
-            "codec": config.codec.name,
-            "error_feedback": config.codec.error_feedback,
-            "shards": 1 if self.shards is None else self.shards.count,
-            "trainers": config.trainers,
-            **(
-                {} if self.batch is None else {"batch": (config.batch.size, config.batch.test, config.batch.controller)}
-            ),
-        }
+
+def _fingerprint(config: TrainConfig, rows: Sequence[torch.Tensor], shards: WorkerShards | None) -> list[float]:
+    """What every rank must agree on: the method, H, fragments, codec, trainers, each rank's model shapes and dtypes
+    and which shard of its worker it holds (the ranks that exchange hold the same rows of different workers)."""
+    batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.b_max)
+    settings = (config.method, config.sync_every, config.streaming.fragments, config.codec.name, batch, config.trainers)
+    model = tuple((tuple(p.shape), str(p.dtype)) for p in rows)
+    shard = (1, 0) if shards is None else (shards.count, shards.index)
+    return [float(len(rows)), float(sum(p.numel() for p in rows)), _digest(settings), _digest((model, shard))]
+
+
+def _settings(config: TrainConfig, shards: WorkerShards | None, adaptive: bool) -> dict[str, Any]:
+    """What a saved state only fits: the method, H, the exchange's shape, the trainers and the batch."""
+    return {
+        "method": config.method,
+        "sync_every": config.sync_every,
+        "fragments": config.streaming.fragments,
+        "overlap": config.outer.overlap,
+        "codec": config.codec.name,
+        "error_feedback": config.codec.error_feedback,
+        "shards": 1 if shards is None else shards.count,
+        "trainers": config.trainers,
+        **({"batch": (config.batch.size, config.batch.test, config.batch.controller)} if adaptive else {}),
+    }
 
 
 def _digest(value: Any) -> float:

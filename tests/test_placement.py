@@ -75,14 +75,10 @@ def test_sharded_workers_in_one_process_are_one_line_before_a_run_directory(tmp_
     ("ranks", "overrides", "line"),
     [
         (2, ["workers=1", "shards=3"], "adloco: error: shards=3: torchrun started 2 rank(s)"),
-        (2, ["comm.backend=nccl"], "adloco: error: comm.backend: nccl needs CUDA GPUs"),
         (2, ["elastic=true", "workers=4"], "adloco: error: workers=4: an elastic job has one worker per rank slot"),
     ],
 )
 def test_a_torchrun_job_the_ranks_cannot_hold_stops_with_one_line_per_rank(tmp_path, ranks, overrides, line):
-    if "comm.backend=nccl" in overrides and torch.cuda.is_available() and torch.distributed.is_nccl_available():
-        overrides = ["comm.backend=nccl", "device=cpu"]  # the same refusal on a machine that has CUDA
-        line = "adloco: error: comm.backend: nccl exchanges CUDA tensors"
     command = _torchrun_command(ranks, layered(FAST, overrides, [f"run.root={tmp_path / 'runs'}"]))
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120, env=_env())
     assert result.returncode != 0

@@ -7,10 +7,17 @@ precision. Evaluation runs in float32, so validation losses compare across preci
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+log = logging.getLogger("adloco.worker")
+Step = TypeVar("Step")
 
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -94,3 +101,25 @@ class LossScale:
         if not self.FLOOR <= scale <= self.CEILING or good_steps < 0:  # NaN fails too
             raise ValueError(f"loss scale {scale!r} with {good_steps} good steps is out of range")
         self.scale, self.good_steps = scale, good_steps
+
+
+def until_no_overflow(
+    step: Callable[[], Step],
+    outcome: Callable[[Step], Sequence[tuple[bool, float]]],
+    scales: Sequence[LossScale],
+    who: str,
+) -> Step:
+    """``step()``, computed again on the same samples while a worker's fp16 gradients overflowed (its loss finite,
+    its gradients not) and its loss scale can still halve; ``outcome`` says each worker's (finite, loss) in the
+    order of ``scales``. One rule for a single worker and a stacked group: each worker's gradient depends on its
+    own scale only, so the others' retried gradients come out the same."""
+    while True:
+        result = step()
+        overflowed = [
+            scale.back_off()
+            for scale, (finite, loss) in zip(scales, outcome(result), strict=True)
+            if not finite and math.isfinite(loss)
+        ]
+        if not any(overflowed):
+            return result
+        log.debug("%s: fp16 gradients overflowed; retrying with scales %s", who, [s.scale for s in scales])

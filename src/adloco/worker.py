@@ -18,7 +18,7 @@ from adloco.compilation import compiled
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
 from adloco.model import next_token_loss
-from adloco.precision import LossScale, adamw_kernel, autocast_for
+from adloco.precision import LossScale, adamw_kernel, autocast_for, until_no_overflow
 from adloco.probe import is_out_of_memory
 
 log = logging.getLogger(__name__)
@@ -117,16 +117,17 @@ class Worker:
             data = tuple(t.to(self.device) for t in self.stream.next_batch(samples))
         scale_before = self.loss_scale.scale
 
-        def accumulate(micro_batch: int) -> StepResult:
-            return self._accumulate(data, micro_batch, stats_groups, gram, keep_gradient)
+        cap = [b_max]  # an out-of-memory retry's smaller micro-batch holds for the fp16 retries too
 
-        while True:
-            result = self._fitting_step(accumulate, b_max)
-            # an overflow under fp16's loss scale is retried on the same samples with half the scale
-            if result.finite or not math.isfinite(result.loss) or not self.loss_scale.back_off():
-                break
-            log.debug("worker %d: fp16 gradients overflowed; loss scale now %g", self.worker_id, self.loss_scale.scale)
-            b_max = result.b_max
+        def attempt() -> StepResult:
+            result = self._fitting_step(lambda micro: self._accumulate(data, micro, stats_groups, gram, keep_gradient),
+                                        cap[0])  # fmt: skip
+            cap[0] = result.b_max
+            return result
+
+        result = until_no_overflow(
+            attempt, lambda r: [(r.finite, r.loss)], [self.loss_scale], f"worker {self.worker_id}"
+        )
         self.loss_scale.settle(result.finite, scale_before)
         return result
 

@@ -22,7 +22,7 @@ from adloco.algorithms.batch_tests import GradientStatistics, GroupedGradient
 from adloco.algorithms.flat import finite_rows, flatten, unflatten
 from adloco.algorithms.switch import split_evenly
 from adloco.compilation import compiled
-from adloco.precision import autocast_for
+from adloco.precision import autocast_for, until_no_overflow
 from adloco.probe import is_out_of_memory
 from adloco.stacked import StackedLlama, unsupported_reason
 from adloco.worker import StepResult, Worker, backward_in_micro_batches
@@ -148,18 +148,16 @@ class WorkerGroup:
         """The stacked step, computed again on the same samples while a worker's fp16 gradients overflowed and its
         loss scale can still halve (each worker's gradient depends on its own scale only); whether each worker's
         loss and gradient came out finite."""
-        while True:
+
+        def attempt() -> tuple[list[float], list[GradientStatistics | None], list[bool]]:
             losses, statistics = self._accumulate(data, b_max, stats_groups, gram)
             rows = finite_rows([p.grad for p in self.params]).tolist()
-            finite = [ok and math.isfinite(loss) for ok, loss in zip(rows, losses, strict=True)]
-            overflowed = [
-                w.loss_scale.back_off()
-                for w, ok, loss in zip(self.workers, finite, losses, strict=True)
-                if not ok and math.isfinite(loss)
-            ]
-            if not any(overflowed):
-                return losses, statistics, finite
-            log.debug("workers %s: fp16 gradients overflowed; retrying with smaller loss scales", self.worker_ids)
+            return losses, statistics, [ok and math.isfinite(loss) for ok, loss in zip(rows, losses, strict=True)]
+
+        scales = [w.loss_scale for w in self.workers]
+        return until_no_overflow(
+            attempt, lambda r: list(zip(r[2], r[0], strict=True)), scales, f"workers {self.worker_ids}"
+        )
 
     def _accumulate(
         self, data: tuple[torch.Tensor, ...], b_max: int, stats_groups: int | None, gram: bool

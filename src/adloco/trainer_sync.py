@@ -47,7 +47,7 @@ def synchronize(comm: Communicator, trainers: Mapping[int, Trainer], state: Roun
     ):
         return
     for trainer in trainers.values():
-        src = comm.placement[trainer.worker_ids[0]]
+        src = comm.ranks_of(trainer.worker_ids[:1])[0]
         meta = None
         if comm.rank == src:
             meta = trainer.sync_metadata()

@@ -54,7 +54,6 @@ class AdaptiveBatch:
         self.b_max = batch.b_max or batch.b_cap  # no probe of the user's model: given, or the test's cap
         self.costs = _pinned_costs(batch, self.total_workers)
         self.samples_done = 0  # samples the rounds that ended read, over every worker (the budget's count)
-        self.samples_read = 0  # by this worker in the round in progress
         self.base_beta2 = [group["betas"][1] if "betas" in group else None for group in optimizer.param_groups]
         self.plans = self._plans()
         self.statistics_due = False
@@ -88,7 +87,7 @@ class AdaptiveBatch:
     def start_round(self, round_index: int) -> None:
         """A round begins: its plan, whether its first step measures, and β2 for its batch (b holds still)."""
         self.statistics_due = round_index % self.config.test_every == 0
-        self.first_step, self.statistics, self.compute_seconds, self.samples_read = True, None, 0.0, 0
+        self.first_step, self.statistics, self.compute_seconds = True, None, 0.0
         self._round_started = time.perf_counter()
         self._follow_batch()
 
@@ -125,7 +124,6 @@ class AdaptiveBatch:
         loss."""
         begun = time.perf_counter()
         batch = data[0].size(0)
-        self.samples_read += batch
 
         def loss_of(offset: int, size: int) -> torch.Tensor:
             return loss_fn(*(t[offset : offset + size] for t in data))
@@ -200,10 +198,7 @@ class AdaptiveBatch:
     def account(self, state: RoundState, steps: int) -> None:
         """After every trainer's reports reached every rank: the samples the round read (the budget) and the
         costs they measured."""
-        for k, t in self.trainers.items():
-            if self.worker_id in t.worker_ids:  # what this worker read, as each of its trainer's workers did
-                self.samples_done += self.samples_read * len(t.worker_ids)
-                continue
+        for k, t in self.trainers.items():  # as the plans say, so every rank counts alike
             extra = max(self.plans[k].samples, 2) - self.plans[k].samples if state.statistics_due and steps else 0
             self.samples_done += (steps * self.plans[k].samples + extra) * len(t.worker_ids)
         if self.costs is not None:
@@ -237,7 +232,6 @@ class AdaptiveBatch:
         return {
             "costs": None if self.costs is None else self.costs.state_dict(),
             "samples_done": self.samples_done,
-            "samples_read": self.samples_read,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -245,7 +239,7 @@ class AdaptiveBatch:
             base = {int(w): StepCost(*c) for w, c in state["costs"]["base"].items()}
             self.costs = self.costs or CostModel(base, self.config.step_seconds is None, self.config.round_seconds)
             self.costs.load_state_dict(state["costs"])
-        self.samples_done, self.samples_read = int(state["samples_done"]), int(state["samples_read"])
+        self.samples_done = int(state["samples_done"])
         self._follow_batch()
 
 

@@ -100,7 +100,9 @@ class DiLoCo:
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.comm.set_placement({w: w for w in range(self.world_size)})
         self.workers = {self.rank: LoopWorker(self.rank, self.params)}
-        _check_same_job(self.comm, self.rank, _fingerprint(self.config, self.workers[self.rank].params, self.shards))
+        _check_same_job(
+            self.comm, self.rank, _fingerprint(self.config, self.workers[self.rank].params, self.shards, check_finite)
+        )
         adaptive = self.config.method == "adloco" or batch is not None
         self.trainers = _trainers(self.config, self.workers[self.rank].params, names, outer_optimizer, adaptive)
         for trainer in self.trainers.values():  # each trainer starts from its first worker's parameters
@@ -302,6 +304,8 @@ class DiLoCo:
         if state.get("settings", settings) != settings:
             raise ValueError(f"the state was saved with other settings ({state['settings']}); now {settings}")
         saved = {int(k): trainer for k, trainer in state["trainers"].items()}
+        if any(k not in self.trainers for k in saved):
+            raise ValueError("this DiLoCo's trainers merged after the state was saved: load it into a new DiLoCo")
         for merged in [k for k in self.trainers if k not in saved]:
             del self.trainers[merged]  # merged into another before the state was saved
         for k, trainer in saved.items():
@@ -326,11 +330,16 @@ class DiLoCo:
         return f"{_STATE_KEY}_rank{self.global_rank}"
 
 
-def _fingerprint(config: TrainConfig, rows: Sequence[torch.Tensor], shards: WorkerShards | None) -> list[float]:
-    """What every rank must agree on: the method, H, fragments, codec, trainers, each rank's model shapes and dtypes
-    and which shard of its worker it holds (the ranks that exchange hold the same rows of different workers)."""
+def _fingerprint(
+    config: TrainConfig, rows: Sequence[torch.Tensor], shards: WorkerShards | None, check_finite: bool
+) -> list[float]:
+    """What every rank must agree on, as it decides which collectives run: the method, H, fragments, codec, batch,
+    trainers and merges, the health checks, each rank's model shapes and dtypes and which shard of its worker it
+    holds (the ranks that exchange hold the same rows of different workers)."""
     batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.b_max)
-    settings = (config.method, config.sync_every, config.streaming.fragments, config.codec.name, batch, config.trainers)
+    merge = (config.trainers, config.merge.policy, config.merge.every, config.merge.group_size)
+    settings = (config.method, config.sync_every, config.streaming.fragments, config.codec.name, batch, merge,
+                check_finite)  # fmt: skip
     model = tuple((tuple(p.shape), str(p.dtype)) for p in rows)
     shard = (1, 0) if shards is None else (shards.count, shards.index)
     return [float(len(rows)), float(sum(p.numel() for p in rows)), _digest(settings), _digest((model, shard))]
@@ -347,6 +356,7 @@ def _settings(config: TrainConfig, shards: WorkerShards | None, adaptive: bool) 
         "error_feedback": config.codec.error_feedback,
         "shards": 1 if shards is None else shards.count,
         "trainers": config.trainers,
+        "merge": (config.merge.policy, config.merge.every, config.merge.group_size),
         **({"batch": (config.batch.size, config.batch.test, config.batch.controller)} if adaptive else {}),
     }
 
@@ -402,7 +412,8 @@ def _check_same_job(comm: Communicator, rank: int, fingerprint: list[float]) -> 
     seen = comm.gather_worker_scalars({rank: fingerprint})
     if any(v != seen[0] for v in seen.values()):
         raise ValueError(
-            "the ranks hold different models or DiLoCo settings (method, sync_every, fragments, codec), or shards "
+            "the ranks hold different models or DiLoCo settings (method, sync_every, fragments, codec, batch, "
+            "trainers, merge, check_finite), or shards "
             "of different rows of a sharded model: every rank must build the same model and DiLoCo, and a sharded "
             "model's workers exchange over the ranks holding the same shard (process_group=mesh['replicate'])"
         )

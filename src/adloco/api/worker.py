@@ -25,12 +25,13 @@ class WorkerShards:
     group: Any
     count: int
     index: int
+    device: torch.device  # where the shard group's collectives take tensors (NCCL: the GPU)
 
     def all_agree(self, flag: bool) -> bool:
         """``flag`` on every shard of this worker (a worker is finite only when all its rows are)."""
         import torch.distributed as dist
 
-        value = torch.tensor([1.0 if flag else 0.0])
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
         dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
         return bool(value[0] > 0)
 
@@ -58,7 +59,7 @@ def worker_shards(params: Sequence[torch.Tensor]) -> WorkerShards | None:
         )
     if any(p.device_mesh != mesh for p in sharded):
         raise ValueError("the model's parameters are sharded over different meshes: DiLoCo needs one shard group")
-    return WorkerShards(mesh.get_group(), mesh.size(), mesh.get_local_rank())
+    return WorkerShards(mesh.get_group(), mesh.size(), mesh.get_local_rank(), local_rows(sharded[0]).device)
 
 
 class LoopWorker:

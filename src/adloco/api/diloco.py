@@ -104,20 +104,13 @@ class DiLoCo:
             self.comm, self.rank, _fingerprint(self.config, self.workers[self.rank].params, self.shards, check_finite)
         )
         adaptive = self.config.method == "adloco" or batch is not None
-        self.trainers = _trainers(self.config, self.workers[self.rank].params, names, outer_optimizer, adaptive)
-        for trainer in self.trainers.values():  # each trainer starts from its first worker's parameters
-            self.comm.broadcast_tensors(trainer.theta, src=trainer.worker_ids[0])
-            self.comm.register_group(trainer.worker_ids)
-        self.trainer.broadcast(self.workers)
-        self.sync: SyncStrategy = build_strategy(
-            SyncSettings.of(self.config), self.comm, self.trainers, self.workers, outer_optimizer
-        )
+        if adaptive and self.shards is not None:
+            raise ValueError("the adaptive batch (method='adloco') takes a model on one rank per worker; a "
+                             "sharded worker's is adloco train's (shards=S) for now")  # fmt: skip
+        self._start_trainers(names, outer_optimizer, adaptive)
         self.merges: list[MergeEvent] = []  # the merges of several trainers, as they happened
         self.batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
         if adaptive:
-            if self.shards is not None:
-                raise ValueError("the adaptive batch (method='adloco') takes a model on one rank per worker; a "
-                                 "sharded worker's is adloco train's (shards=S) for now")  # fmt: skip
             self.batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.trainers, self.rank,
                                        self.sync_every, total_samples)  # fmt: skip
         self.inner_step = 0  # inner steps taken since the start, over every round
@@ -125,6 +118,18 @@ class DiLoCo:
         self._hooks: list[Any] = []
         self.last_round: RoundState | None = None  # the round that ended last, with every worker's report
         self._finished = False
+
+    def _start_trainers(self, names: list[str], outer_optimizer: OuterFactory | None, adaptive: bool) -> None:
+        """The job's trainers, each from its first worker's parameters and with its exchange group, and the sync
+        strategy over them; this rank's worker starts from its trainer's θ."""
+        self.trainers = _trainers(self.config, self.workers[self.rank].params, names, outer_optimizer, adaptive)
+        for trainer in self.trainers.values():
+            self.comm.broadcast_tensors(trainer.theta, src=trainer.worker_ids[0])
+            self.comm.register_group(trainer.worker_ids)
+        self.trainer.broadcast(self.workers)
+        self.sync: SyncStrategy = build_strategy(
+            SyncSettings.of(self.config), self.comm, self.trainers, self.workers, outer_optimizer
+        )
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def __enter__(self) -> DiLoCo:

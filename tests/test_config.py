@@ -147,3 +147,15 @@ def test_a_config_path_that_cannot_be_opened_is_a_config_error(tmp_path):
     undecodable.write_bytes(b"seed: 1 # caf\xe9\n")
     with pytest.raises(ConfigError, match="cannot be read"):
         load_config(undecodable)
+
+
+def test_outer_adam_takes_its_own_lr_default_and_refuses_sgd_settings():
+    adam = build_config(overrides=["outer.optimizer=adam", "outer.betas=[0.8, 0.9]"])
+    assert (adam.outer.lr, adam.outer.momentum, adam.outer.nesterov, adam.outer.betas) == (3e-3, 0.0, False, (0.8, 0.9))
+    assert build_config(overrides=["outer.lr=2.5"]).outer.lr == 2.5  # an outer lr above 1 is a setting, not a typo
+    with pytest.raises(ConfigError, match="outer.momentum: applies to outer.optimizer=sgd"):
+        build_config(overrides=["outer.optimizer=adam", "outer.momentum=0.9"])
+    with pytest.raises(ConfigError, match="outer.optimizer: localsgd fixes it to sgd"):
+        build_config(overrides=["method=localsgd", "outer.optimizer=adam"])
+    with pytest.raises(ConfigError, match="outer.betas"):
+        build_config(overrides=["outer.optimizer=adam", "outer.betas=[0.9, 1.0]"])

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from adloco.algorithms.sparse import TopKCodec
+from adloco.cluster import parameter_fragments
 from adloco.config import ConfigError, build_config
 from adloco.metrics import read_metrics
 from adloco.model import build_model, preset_config
@@ -114,3 +116,20 @@ def test_resume_with_an_exchange_in_flight_is_bit_identical(checkpoint_format, f
 def test_streaming_config_errors(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
         build_config(overrides=overrides)
+
+
+def test_topk_sends_exactly_its_payload_with_error_feedback_on_by_default(fast_overrides):
+    """Streaming fragments each encoded on their own: a full round sends both workers' sparse payload of every
+    fragment (indices, 2-bit values, chunk scales) and their round reports, and still trains."""
+    config = build_config(overrides=[*fast_overrides, *STREAM, "codec.name=topk", "codec.density=0.03"])
+    assert config.codec.error_feedback is True
+    result = train(config)
+    assert result.val_loss < 5.3
+    params = final_params(result.run_dir)
+    sizes = [t.numel() for t in params.values()]
+    fragments = parameter_fragments(config, list(params))
+    codec = TopKCodec(0.03, 2, 4096)
+    payload = 2 * sum(codec.encoded_nbytes(sum(sizes[i] for i in fragment)) for fragment in fragments)
+    sent = _rounds(result.run_dir)[1]["bytes"]
+    assert payload <= sent < payload + 2000  # the reports ride along: a few hundred bytes
+    assert sent < 2 * 4 * sum(sizes) / 25

@@ -75,6 +75,8 @@ def test_same_seed_same_numbers_and_other_seed_differs(fast_overrides):
         ],  # fmt: skip
         ["method=adloco", "trainers=2", "workers=1", "merge.every=3", "batch.b_cap=4", "total_tokens=2048"]
         + PINNED_PACE,
+        # MuLoCo-style: Muon inner steps, outer Adam per fragment; both optimizers' states go through the checkpoint
+        ["method=streaming", "inner.optimizer=muon", "outer.optimizer=adam", "sync_every=4", "streaming.fragments=2"],
     ],
 )
 def test_resume_from_a_mid_run_checkpoint_is_bit_identical(method, fast_overrides, tmp_path):

@@ -1,5 +1,7 @@
 """Workers stacked into one computation keep every worker's numbers: forward, gradients, AdamW, clipping, state."""
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaForSequenceClassification
@@ -89,8 +91,10 @@ def _assert_same_workers(grouped, alone):
         for p, q in zip(a.params, b.params, strict=True):
             assert _close(p.detach(), q.detach())
         state_a, state_b = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+        assert state_a.keys() == state_b.keys()
         for i in state_b:
-            for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert state_a[i].keys() == state_b[i].keys()  # AdamW's step and moments, or Muon's momentum
+            for key in state_b[i]:
                 assert _close(state_a[i][key], state_b[i][key])
 
 
@@ -109,6 +113,25 @@ def test_a_group_trains_each_worker_as_it_would_alone():
         float((p.detach() - q.detach()).abs().max()) for p, q in zip(grouped[0].params, grouped[1].params, strict=True)
     ]
     assert max(moved) > 0  # the workers stayed apart: each read its own stream and started from its own init
+
+
+def test_a_group_of_muon_workers_steps_each_as_it_would_alone_and_through_a_resume():
+    """inner.optimizer=muon: the stacked AdamW on embeddings, head and norms, each worker's own Muon on its views of
+    the hidden matrices; a resumed state is taken over by the group as AdamW's is."""
+    inner = InnerConfig(optimizer="muon", clip=0.05, muon_lr=2e-3)
+    grouped, alone = _workers(3, inner), _workers(3, inner)
+    group = WorkerGroup(grouped)
+    _train(grouped, group, 3, samples=3, b_max=2, lrs=[3e-3] * 3)
+    _train(alone, None, 3, samples=3, b_max=2, lrs=[3e-3] * 3)
+    _assert_same_workers(grouped, alone)
+    saved = [w.state_dict() for w in alone]
+    assert any("momentum_buffer" in s for s in saved[0]["optimizer"]["state"].values())
+    for grouped_worker, alone_worker, state in zip(grouped, alone, saved, strict=True):
+        grouped_worker.load_state_dict(copy.deepcopy(state))  # torch's load keeps the given tensors: one each
+        alone_worker.load_state_dict(state)
+    _train(grouped, group, 2, samples=3, b_max=2, lrs=[3e-3] * 3)
+    _train(alone, None, 2, samples=3, b_max=2, lrs=[3e-3] * 3)
+    _assert_same_workers(grouped, alone)
 
 
 def test_a_group_steps_one_by_one_where_its_workers_differ_and_picks_up_after():

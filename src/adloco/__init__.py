@@ -5,7 +5,10 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 __all__ = [
     "DiLoCo",
+    "Muon",
+    "MuonWithAdamW",
     "end_process_group",
+    "hidden_matrices",
     "TrainConfig",
     "TrainResult",
     "build_config",
@@ -15,7 +18,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from adloco.api import DiLoCo, end_process_group
+    from adloco.api import DiLoCo, Muon, MuonWithAdamW, end_process_group, hidden_matrices
     from adloco.config import TrainConfig, build_config, load_config
     from adloco.training import TrainResult, train
 
@@ -26,7 +29,7 @@ def __getattr__(name: str) -> Any:
         from adloco import config
 
         return getattr(config, name)
-    if name in ("DiLoCo", "end_process_group"):
+    if name in ("DiLoCo", "Muon", "MuonWithAdamW", "end_process_group", "hidden_matrices"):
         from adloco import api
 
         return getattr(api, name)

@@ -25,7 +25,7 @@ from adloco.engine import RankEngine, worker_groups
 from adloco.pace import CostModel, pinned_costs, time_steps, timed_batches
 from adloco.placement import placement, rank_placement
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
-from adloco.sync import RoundState, SyncSettings, SyncStrategy, WorkerRound, build_strategy
+from adloco.sync import RoundState, SyncSettings, SyncStrategy, WorkerRound, build_strategy, outer_factory
 from adloco.sync.rounds import BoundaryRequest
 from adloco.tasks import Task
 from adloco.trainer import Trainer
@@ -188,6 +188,7 @@ class Cluster:
             outer_momentum=config.outer.momentum,
             nesterov=bool(config.outer.nesterov),
             fragments=fragments,
+            outer_factory=outer_factory(config.outer),
         )
 
     def _worker(self, worker_id: int, template: torch.nn.Module) -> Worker:

@@ -65,6 +65,17 @@ _METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+ADAM_OUTER_LR = 3e-3  # the best of a sweep on the anchor task (docs/outer.md)
+
+
+def _adam_outer_defaults(outer: OuterConfig) -> tuple[float, float, bool]:
+    """Adam's own lr default; momentum and Nesterov belong to outer SGD (Adam's momentum is ``outer.betas``)."""
+    for key in ("momentum", "nesterov"):
+        if getattr(outer, key) not in (None, 0, False):
+            raise ValueError(f"outer.{key}: applies to outer.optimizer=sgd; adam's momentum is outer.betas")
+    return ADAM_OUTER_LR, 0.0, False
+
+
 class TrainConfig(BaseModel):
     """Everything a run needs; every key is documented in docs/configuration.md."""
 
@@ -170,9 +181,12 @@ class TrainConfig(BaseModel):
         lr, momentum, nesterov = defaults["outer"]
         if self.method in ("ddp", "localsgd"):
             # These baselines are defined by their outer step; a different one would be another method.
-            for key, value, fixed in (("lr", self.outer.lr, lr), ("momentum", self.outer.momentum, momentum)):
+            fixed_keys = (("lr", self.outer.lr, lr), ("momentum", self.outer.momentum, momentum))
+            for key, value, fixed in (*fixed_keys, ("optimizer", self.outer.optimizer, "sgd")):
                 if value is not None and value != fixed:
                     raise ValueError(f"outer.{key}: {self.method} fixes it to {fixed}; use method=diloco to tune it")
+        if self.outer.optimizer == "adam":
+            lr, momentum, nesterov = _adam_outer_defaults(self.outer)
         self.outer.lr = lr if self.outer.lr is None else self.outer.lr
         self.outer.momentum = momentum if self.outer.momentum is None else self.outer.momentum
         self.outer.nesterov = nesterov if self.outer.nesterov is None else self.outer.nesterov
@@ -241,6 +255,11 @@ class TrainConfig(BaseModel):
     def _check_shards(self) -> None:
         if self.shards == 1:
             return
+        if self.inner.optimizer == "muon":
+            # Newton-Schulz orthogonalizes each whole matrix; a shard holds only some of its rows.
+            raise ValueError(
+                "inner.optimizer: muon orthogonalizes whole matrices; sharded workers (shards > 1) use adamw"
+            )
         if self.elastic:
             raise ValueError("elastic: resizing a job of sharded workers (shards > 1) is not supported")
         if "format" in self.checkpoint.model_fields_set and self.checkpoint.format == "file":

@@ -98,7 +98,12 @@ class DataConfig(_Section):
 
 
 class InnerConfig(_Section):
-    lr: float = Field(1e-3, gt=0, description="Peak inner (AdamW) learning rate.")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="adamw, or muon: Muon on the hidden matrices and AdamW on embeddings, head, norms and biases "
+        "(MuLoCo). See docs/optimizers.md.",
+    )
+    lr: float = Field(1e-3, gt=0, description="Peak inner learning rate (Muon's too, RMS-matched to AdamW's).")
     min_lr: float = Field(1e-4, ge=0, description="Learning rate at the end of the cosine decay.")
     warmup_steps: int = Field(100, ge=0, description="Linear warm-up, in inner steps.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (matrices only; not norms/biases).")
@@ -106,12 +111,31 @@ class InnerConfig(_Section):
     beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     clip: float | None = Field(1.0, gt=0, description="Gradient-norm clipping per worker; null disables it.")
+    muon_lr: float | None = Field(None, gt=0, description="optimizer=muon: Muon's peak lr (default: inner.lr).")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="optimizer=muon: Muon's (Nesterov) momentum.")
 
 
 class OuterConfig(_Section):
-    lr: float | None = Field(None, gt=0, description="Outer SGD learning rate (diloco/adloco: 1.0).")
-    momentum: float | None = Field(None, ge=0, lt=1, description="Outer momentum (diloco/adloco: 0.5).")
+    optimizer: Literal["sgd", "adam"] = Field(
+        "sgd",
+        description="The outer step: 'sgd' (with momentum and Nesterov as set) or 'adam' (torch Adam on the "
+        "pseudo-gradient, betas and eps below); the Python API takes any torch optimizer. See docs/optimizers.md.",
+    )
+    lr: float | None = Field(
+        None, gt=0, description="Outer learning rate, above 1 allowed (sgd: 1.0 for diloco/adloco; adam: 0.003)."
+    )
+    momentum: float | None = Field(None, ge=0, lt=1, description="Outer SGD momentum (diloco/adloco: 0.5).")
     nesterov: bool | None = Field(None, description="Nesterov outer momentum (diloco/adloco: true).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="optimizer=adam: its beta1, beta2 (each in [0, 1)).")
+    eps: float = Field(1e-8, gt=0, description="optimizer=adam: its epsilon.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in value):
+            raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
+        return value
+
     overlap: Literal["none", "delayed", "eager"] = Field(
         "none",
         description="diloco/localsgd: exchange Δ during the next round; 'delayed' applies it a round late, "
@@ -279,11 +303,31 @@ class StreamingConfig(_Section):
 
 
 class CodecConfig(_Section):
-    name: Literal["none", "fp32", "bf16", "fp16", "int8", "fp8-e4m3", "fp4-e2m1", "fp4-e3m0"] = Field(
-        "none", description="Encoding of exchanged pseudo-gradients; none sends float32 through an all-reduce path."
+    name: Literal["none", "fp32", "bf16", "fp16", "int8", "fp8-e4m3", "fp4-e2m1", "fp4-e3m0", "topk"] = Field(
+        "none",
+        description="Encoding of exchanged pseudo-gradients; none sends float32 through an all-reduce path; topk "
+        "sends the largest entries of each chunk (SparseLoCo, docs/codecs.md).",
     )
     block_size: int = Field(32, ge=1, description="Elements sharing one power-of-two scale (int8, fp8, fp4).")
-    error_feedback: bool = Field(False, description="Add each worker's quantization residual to its next exchange.")
+    error_feedback: bool | None = Field(
+        None, description="Add each worker's quantization residual to its next exchange (default: on for topk only)."
+    )
+    density: float = Field(0.01, gt=0, le=1, description="topk: the fraction of each chunk's entries sent.")
+    value_bits: int = Field(2, description="topk: bits per sent value (2 to 8; 32 sends float32 values).")
+    chunk_size: int = Field(4096, ge=2, le=2**16, description="topk: elements per chunk (the top k of each are sent).")
+
+    @field_validator("value_bits")
+    @classmethod
+    def _value_bits(cls, value: int) -> int:
+        if value != 32 and not 2 <= value <= 8:
+            raise ValueError(f"must be 2 to 8, or 32, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _feedback_default(self) -> CodecConfig:
+        if self.error_feedback is None:
+            self.error_feedback = self.name == "topk"
+        return self
 
 
 class CommConfig(_Section):

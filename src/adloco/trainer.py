@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from adloco.algorithms.batch_tests import GradientStatistics, statistics_from_gram
-from adloco.algorithms.outer import OuterFactory, OuterOptimizer
+from adloco.algorithms.outer import ElementState, OuterFactory, OuterOptimizer
 from adloco.checkpoint import CheckpointError
 from adloco.comm.base import Communicator
 from adloco.worker import Worker
@@ -51,7 +51,6 @@ class Trainer:
             )
             for fragment in self.fragments
         ]
-        self.momentum = outer_momentum
 
     @property
     def batch_size(self) -> int:
@@ -80,17 +79,24 @@ class Trainer:
         """θ_p ← OuterOpt_p(θ_p, Δ_p) for fragment ``index`` (the whole of θ unless streaming)."""
         self.outers[index].step(delta)
 
-    def momentum_buffers(self) -> list[torch.Tensor | None]:
-        """Outer momentum per θ tensor, in parameter order, whatever the fragments."""
-        buffers: list[torch.Tensor | None] = [None] * len(self.theta)
+    def outer_state(self) -> tuple[ElementState, dict[int, dict]]:
+        """The outer optimizers' state keyed by θ position, whatever the fragments: the tensors shaped like
+        their parameter (momentum, Adam's moments) and the rest (step counts)."""
+        tensors: ElementState = {}
+        scalars: dict[int, dict] = {}
         for fragment, outer in zip(self.fragments, self.outers, strict=True):
-            for i, buffer in zip(fragment, outer.momentum_buffers(), strict=True):
-                buffers[i] = buffer
-        return buffers
+            tensors.update({(fragment[i], name): t for (i, name), t in outer.element_state().items()})
+            scalars.update({fragment[i]: entries for i, entries in outer.scalar_state().items()})
+        return tensors, scalars
 
-    def set_momentum_buffers(self, buffers: Sequence[torch.Tensor | None]) -> None:
+    def load_outer_state(self, tensors: ElementState, scalars: dict[int, dict]) -> None:
+        """Replace the outer optimizers' state with (copies of) ``outer_state``'s two parts."""
         for fragment, outer in zip(self.fragments, self.outers, strict=True):
-            outer.set_momentum_buffers([buffers[i] for i in fragment])
+            position = {theta_index: k for k, theta_index in enumerate(fragment)}
+            outer.load_element_state(
+                {(position[i], name): t for (i, name), t in tensors.items() if i in position},
+                {position[i]: entries for i, entries in scalars.items() if i in position},
+            )
 
     def adopt_worker_params(self, workers: Mapping[int, Worker]) -> None:
         """DDP keeps every worker identical, so θ is any worker's parameters; no exchange is needed."""
@@ -108,11 +114,10 @@ class Trainer:
         return statistics_from_gram(gram, [self.batch_size] * len(self.worker_ids))
 
     def sync_metadata(self) -> dict:
-        """What other ranks need besides θ and momentum to mirror this trainer."""
+        """What other ranks need besides θ and the outer state to mirror this trainer."""
         return {
             **self.batch.mirror(),
             "worker_ids": list(self.worker_ids),
-            "has_momentum": any(b is not None for b in self.momentum_buffers()),
         }
 
     def load_sync_metadata(self, meta: dict) -> None:

@@ -59,12 +59,21 @@ def synchronize(comm: Communicator, trainers: Mapping[int, Trainer], state: Roun
             if state is not None:
                 state.learn(meta["reports"])
         comm.broadcast_tensors(trainer.theta, src)
-        buffers = trainer.momentum_buffers()
-        if meta["has_momentum"]:
-            if any(b is None for b in buffers):
-                trainer.set_momentum_buffers([torch.zeros_like(t) for t in trainer.theta])
-                buffers = trainer.momentum_buffers()
-            comm.broadcast_tensors(buffers, src)
+        _mirror_outer_state(comm, trainer, src)
+
+
+def _mirror_outer_state(comm: Communicator, trainer: Trainer, src: int) -> None:
+    """The lead rank's outer optimizer state on every rank: its layout and step counts as an object, its
+    per-element tensors (momentum, moments) as tensors."""
+    tensors, scalars = trainer.outer_state() if comm.rank == src else ({}, {})
+    layout = comm.broadcast_object((sorted(tensors), scalars) if comm.rank == src else None, src=src)
+    keys, scalars = layout
+    if comm.rank == src:
+        comm.broadcast_tensors([tensors[k] for k in keys], src)
+        return
+    received = [torch.zeros_like(trainer.theta[i]) for i, _ in keys]
+    comm.broadcast_tensors(received, src)
+    trainer.load_outer_state(dict(zip(keys, received, strict=True)), scalars)
 
 
 def maybe_merge(
@@ -83,13 +92,11 @@ def maybe_merge(
     members = [trainers[k] for k in group]
     weights = merge_weights(merge.policy, [t.batch_size for t in members], [len(t.worker_ids) for t in members])
     theta = weighted_average([t.theta for t in members], weights)
-    momentum = weighted_average([t.momentum_buffers() for t in members], weights)
     survivor = members[0]
     with torch.no_grad():
         for target, value in zip(survivor.theta, theta, strict=True):
             target.copy_(value)
-    if survivor.momentum > 0:
-        survivor.set_momentum_buffers(momentum)
+    _merge_outer_state(members, list(weights))
     survivor.batch_size = merged_batch_size([t.batch_size for t in members])
     for other in members[1:]:
         survivor.worker_ids = sorted(survivor.worker_ids + other.worker_ids)
@@ -106,3 +113,15 @@ def maybe_merge(
     )
     log.info("merge: trainers %s into %d with weights %s", group, survivor.trainer_id, weights)
     return event
+
+
+def _merge_outer_state(members: list[Trainer], weights: list[float]) -> None:
+    """The survivor's outer state: every per-element tensor (momentum, Adam's moments) averaged with the merge's
+    weights, a member without one counting zeros; step counts the survivor's (the trainers step in lockstep)."""
+    states = [member.outer_state() for member in members]
+    keys = sorted(set().union(*(tensors for tensors, _ in states)))
+    averaged = weighted_average([[tensors.get(k) for k in keys] for tensors, _ in states], weights)
+    scalars: dict[int, dict] = {}
+    for _, member_scalars in reversed(states):
+        scalars.update(member_scalars)
+    members[0].load_outer_state({k: t for k, t in zip(keys, averaged, strict=True) if t is not None}, scalars)

@@ -1,4 +1,5 @@
-"""One worker: its model copy, inner AdamW (kept across rounds), data stream and gradient statistics.
+"""One worker: its model copy, inner optimizer (AdamW, or Muon and AdamW; kept across rounds), data stream and
+gradient statistics.
 
 It computes and steps; it never communicates (that is the sync strategy's job, ``adloco.sync``)."""
 
@@ -17,6 +18,7 @@ from adloco.algorithms.switch import split_evenly
 from adloco.compilation import compiled
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
+from adloco.inner_optimizer import adamw_groups, inner_optimizer, set_inner_lr
 from adloco.model import next_token_loss
 from adloco.precision import LossScale, adamw_kernel, autocast_for, until_no_overflow
 from adloco.probe import is_out_of_memory
@@ -56,20 +58,9 @@ class Worker:
         self.step_loss = compiled(loss_fn, compile_step)  # what a training step calls: loss_fn, maybe compiled
         self.compile_step = compile_step
         self.clip = inner.clip
-        self.model_params = list(model.parameters())  # what AdamW and clipping update
+        self.model_params = list(model.parameters())  # what the inner optimizer and clipping update
         self.device = self.params[0].device
-        decay = [p for p in self.model_params if p.dim() >= 2]
-        no_decay = [p for p in self.model_params if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": inner.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=inner.lr,
-            betas=(inner.beta1, inner.beta2),
-            eps=inner.eps,
-            **adamw_kernel(self.device),
-        )
+        self.optimizer = inner_optimizer(model, inner, adamw_kernel(self.device))
         self.beta2 = inner.beta2  # the configured one; a trainer's batch coupling derives the one in use
         self.last_gradient: torch.Tensor | None = None
 
@@ -86,7 +77,7 @@ class Worker:
         return values
 
     def set_beta2(self, beta2: float) -> None:
-        for group in self.optimizer.param_groups:
+        for group in adamw_groups(self.optimizer):
             group["betas"] = (group["betas"][0], beta2)
 
     @torch.no_grad()
@@ -241,18 +232,17 @@ class Worker:
             p.grad = g.to(p.device, copy=True)
 
     def step(self, lr: float) -> float | None:
-        """Clip and apply one AdamW step; returns the gradient norm before clipping when clipping is on."""
+        """Clip and apply one inner optimizer step; returns the gradient norm before clipping when clipping is on."""
         norm = None
         if self.clip is not None:
             norm = float(full_value(torch.nn.utils.clip_grad_norm_(self.model_params, self.clip, foreach=False)))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_inner_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
     def reset_optimizer(self) -> None:
-        """Forget the AdamW moments (after a non-finite step they may hold NaN)."""
+        """Forget the optimizer's moments (after a non-finite step they may hold NaN)."""
         self.optimizer.state.clear()
 
     def state_dict(self, with_params: bool = False) -> dict:
@@ -274,7 +264,7 @@ class Worker:
     def load_state_dict(self, state: dict) -> None:
         self._load_optimizer_state(state["optimizer"])
         kernel = adamw_kernel(self.device)  # the saved groups name the kernel of the device they were saved on
-        for group in self.optimizer.param_groups:
+        for group in adamw_groups(self.optimizer):
             group["fused"], group["foreach"] = kernel.get("fused"), kernel.get("foreach")
         self.stream.load_state_dict(state["stream"])
         if "loss_scale" in state:  # checkpoints from before fp16 hold none: their scale is the constant 1

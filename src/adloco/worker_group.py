@@ -22,6 +22,7 @@ from adloco.algorithms.batch_tests import GradientStatistics, GroupedGradient
 from adloco.algorithms.flat import finite_rows, flatten, unflatten
 from adloco.algorithms.switch import split_evenly
 from adloco.compilation import compiled
+from adloco.inner_optimizer import MuonWithAdamW, adamw_groups, set_inner_lr
 from adloco.precision import autocast_for, until_no_overflow
 from adloco.probe import is_out_of_memory
 from adloco.stacked import StackedLlama, unsupported_reason
@@ -74,18 +75,22 @@ class WorkerGroup:
                 p.data = self.params[i][k]  # the worker's parameter is now a view into the stack
         for stacked in self.params:
             stacked.requires_grad_(True)
-        self.exp_avgs = [torch.zeros_like(p) for p in self.params]
-        self.exp_avg_sqs = [torch.zeros_like(p) for p in self.params]
-        self.scratch = [torch.empty_like(p) for p in self.params]  # AdamW's denominators, reused every step
+        # The stacked update is AdamW's; Muon (inner.optimizer=muon) steps each worker's hidden matrices itself.
+        decay_of = {id(p): g["weight_decay"] for g in adamw_groups(first.optimizer) for p in g["params"]}
+        self.adamw = [i for i, p in enumerate(first.params) if id(p) in decay_of]  # positions AdamW steps
+        stacked_adamw = [self.params[i] for i in self.adamw]
+        self.exp_avgs = [torch.zeros_like(p) for p in stacked_adamw]
+        self.exp_avg_sqs = [torch.zeros_like(p) for p in stacked_adamw]
+        self.scratch = [torch.empty_like(p) for p in stacked_adamw]  # AdamW's denominators, reused every step
         # AdamW keeps its step counts on the CPU, fused AdamW on the device
-        on = self.device if first.optimizer.defaults.get("fused") else torch.device("cpu")
-        self.steps = [torch.zeros(len(self.workers), device=on) for _ in self.params]
-        decay_of = {id(p): g["weight_decay"] for g in first.optimizer.param_groups for p in g["params"]}
-        self.weight_decay = [decay_of[id(p)] for p in first.params]
+        fused = any(g.get("fused") for g in adamw_groups(first.optimizer))
+        on = self.device if fused else torch.device("cpu")
+        self.steps = [torch.zeros(len(self.workers), device=on) for _ in stacked_adamw]
+        self.weight_decay = [decay_of[id(first.params[i])] for i in self.adamw]
         self.bound = [
             [
-                {"step": self.steps[i][k], "exp_avg": self.exp_avgs[i][k], "exp_avg_sq": self.exp_avg_sqs[i][k]}
-                for i in range(len(self.params))
+                {"step": self.steps[j][k], "exp_avg": self.exp_avgs[j][k], "exp_avg_sq": self.exp_avg_sqs[j][k]}
+                for j in range(len(self.adamw))
             ]
             for k in range(len(self.workers))
         ]
@@ -95,7 +100,8 @@ class WorkerGroup:
     def _bind_state(self, k: int) -> None:
         """Point worker k's AdamW state at its slices of the stack, taking over whatever state it holds now
         (a resumed checkpoint's, or none after a reset)."""
-        optimizer, params, bound = self.workers[k].optimizer, self.workers[k].params, self.bound[k]
+        optimizer, bound = self.workers[k].optimizer, self.bound[k]
+        params = [self.workers[k].params[i] for i in self.adamw]
         # A resume or a reset replaces or clears the whole state, so the first tensor tells whether it is still bound.
         if optimizer.state.get(params[0]) is bound[0]:
             return
@@ -234,12 +240,13 @@ class WorkerGroup:
             return False
         if self.clip is not None:
             clip_stacked(grads, self.clip)
-        params = [p.detach() for p in self.params]
+        params = [self.params[i].detach() for i in self.adamw]
+        adamw_grads = [grads[i] for i in self.adamw]
         for start, stop, count in _runs_of_equal(steps[0].tolist()):
             rows = slice(start, stop)  # views, so the update lands in the stack
             adamw_stacked(
                 [p[rows] for p in params],
-                [g[rows] for g in grads],
+                [g[rows] for g in adamw_grads],
                 [m[rows] for m in self.exp_avgs],
                 [v[rows] for v in self.exp_avg_sqs],
                 int(count) + 1,
@@ -249,14 +256,17 @@ class WorkerGroup:
             )
         for count in self.steps:
             count.add_(1)
-        for worker in self.workers:  # as Worker.step leaves it: a checkpoint saves the lr last used
-            for group in worker.optimizer.param_groups:
-                group["lr"] = settings.lr
+        for k, worker in enumerate(self.workers):  # as Worker.step leaves it: a checkpoint saves the lr last used
+            set_inner_lr(worker.optimizer, settings.lr)
+            if isinstance(worker.optimizer, MuonWithAdamW):  # its hidden matrices: views into the stack
+                for p, grad in zip(worker.params, grads, strict=True):
+                    p.grad = grad[k]  # the clipped gradient, even where a sync strategy replaced its .grad
+                worker.optimizer.muon.step()
         self._clear_gradients()
         return True
 
     def _settings(self, lrs: Sequence[float]) -> AdamWSettings | None:
-        groups = [g for w in self.workers for g in w.optimizer.param_groups]
+        groups = [g for w in self.workers for g in adamw_groups(w.optimizer)]
         betas = {tuple(g["betas"]) for g in groups}
         eps = {g["eps"] for g in groups}
         if len(set(lrs)) != 1 or len(betas) != 1 or len(eps) != 1:

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from adloco.algorithms.outer import OuterOptimizer, eager_pseudo_gradient, mean_in_order, worker_delta
+from adloco.algorithms.outer import (
+    OuterOptimizer,
+    adam_factory,
+    eager_pseudo_gradient,
+    mean_in_order,
+    worker_delta,
+)
 
 F64 = torch.float64
 
@@ -126,3 +132,27 @@ def test_eager_pseudo_gradient_first_round_and_failed_worker():
     assert torch.equal(eager_pseudo_gradient(arrived, stale, None)[0], torch.tensor([2.0, 1.0]))
     with pytest.raises(ValueError):
         eager_pseudo_gradient(None, None, None)
+
+
+def test_outer_adam_is_torch_adam_on_the_pseudo_gradient_and_its_state_moves_whole():
+    """An outer lr above 1 is allowed; the state split into per-element tensors and step counts rebuilds an
+    optimizer that steps on exactly as the original does."""
+    theta, reference = [torch.zeros(3), torch.ones(2)], [torch.zeros(3), torch.ones(2)]
+    outer = OuterOptimizer(theta, lr=2.0, factory=adam_factory(2.0, (0.8, 0.9), 1e-8))
+    adam = torch.optim.Adam(reference, lr=2.0, betas=(0.8, 0.9), eps=1e-8, foreach=False)
+    deltas = [[torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0.5, 0.25])], [torch.ones(3), torch.zeros(2)]]
+    for delta in deltas:
+        outer.step(delta)
+        for p, d in zip(reference, delta, strict=True):
+            p.grad = d.clone()
+        adam.step()
+    assert all(torch.equal(a, b) for a, b in zip(theta, reference, strict=True))
+    tensors, scalars = outer.element_state(), outer.scalar_state()
+    assert sorted(tensors) == [(0, "exp_avg"), (0, "exp_avg_sq"), (1, "exp_avg"), (1, "exp_avg_sq")]
+    assert float(scalars[0]["step"]) == 2.0
+    copy = [t.clone() for t in theta]
+    rebuilt = OuterOptimizer(copy, lr=2.0, factory=adam_factory(2.0, (0.8, 0.9), 1e-8))
+    rebuilt.load_element_state(tensors, scalars)
+    outer.step(deltas[0])
+    rebuilt.step(deltas[0])
+    assert all(torch.equal(a, b) for a, b in zip(theta, copy, strict=True))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from adloco import DiLoCo
+from adloco import DiLoCo, MuonWithAdamW, hidden_matrices
 from adloco.config import ConfigError
 from adloco.config_input import layered
 from tests.comm.test_distributed import _env, _free_port, _torchrun
@@ -159,6 +159,34 @@ def test_a_run_resumed_from_its_own_checkpoint_mid_round_goes_on_bit_identically
         assert resumed.inner_step == 6 and resumed.round_step == 2
         _train(again, optimizer2, resumed, 7, start=6)
     resumed.flush()
+    assert _same(diloco.theta, resumed.theta) and _same(model.parameters(), again.parameters())
+
+
+def test_a_loop_with_muon_inner_steps_and_outer_adam_resumes_bit_identically(tmp_path):
+    """MuLoCo in a user's loop: MuonWithAdamW as the inner optimizer, outer Adam from the outer section; the
+    torch.save round trip of model, optimizer and DiLoCo state goes on with the same bits."""
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        return model, MuonWithAdamW(model.parameters(), hidden_matrices(model), lr=1e-2)
+
+    kwargs = {"sync_every": 4, "outer": {"optimizer": "adam", "lr": 0.01}}
+    model, optimizer = build()
+    assert len(optimizer.muon.param_groups[0]["params"]) == 2  # both Linear weights; biases go to AdamW
+    with DiLoCo(model, optimizer, **kwargs) as diloco:
+        _train(model, optimizer, diloco, 6)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "diloco": diloco.state_dict()},
+                   tmp_path / "state.pt")  # fmt: skip
+        _train(model, optimizer, diloco, 6, start=6)
+    assert type(diloco.trainer.outers[0].optimizer) is torch.optim.Adam
+    again, optimizer2 = build()
+    with DiLoCo(again, optimizer2, **kwargs) as resumed:
+        saved = torch.load(tmp_path / "state.pt", weights_only=True)
+        again.load_state_dict(saved["model"])
+        optimizer2.load_state_dict(saved["optimizer"])
+        resumed.load_state_dict(saved["diloco"])
+        _train(again, optimizer2, resumed, 6, start=6)
     assert _same(diloco.theta, resumed.theta) and _same(model.parameters(), again.parameters())
 
 

@@ -32,8 +32,9 @@ BASE = [
     "threads=1",  # the same kernels in every process, so bits can be compared
 ]
 DILOCO = [*BASE, "method=diloco", "workers=4", "sync_every=4", "total_tokens=1024"]
+# outer Adam: its two moments and step count are mirrored to the ranks hosting none of a trainer and merged
 ADLOCO = [*BASE, "method=adloco", "trainers=4", "workers=1", "batch.b_cap=8", "sync_every=3", "merge.every=1",
-          "total_tokens=4608", *PINNED_PACE]  # fmt: skip
+          "total_tokens=4608", "outer.optimizer=adam", *PINNED_PACE]  # fmt: skip
 
 
 def _free_port() -> int:
@@ -214,8 +215,11 @@ def test_a_killed_rank_ends_the_job(tmp_path):
             proc.communicate(timeout=30)
 
 
-def test_streaming_with_a_codec_matches_in_process(tmp_path):
-    streaming = [*DILOCO, "method=streaming", "streaming.fragments=2", "streaming.overlap=1", "codec.name=int8"]
+def test_streaming_with_a_codec_and_muon_matches_in_process(tmp_path):
+    """One rank of 4 stacked workers against 2 ranks of 2: Muon steps each worker's matrices the same either way,
+    and the top-k payloads (with their error feedback) gather to the same mean."""
+    streaming = [*DILOCO, "method=streaming", "streaming.fragments=2", "streaming.overlap=1", "codec.name=topk",
+                 "codec.density=0.05", "inner.optimizer=muon"]  # fmt: skip
     local = train(build_config(overrides=[*streaming, f"run.root={tmp_path}", "run.name=local"]))
     _torchrun(2, [*streaming, f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
     assert same_params(final_params(local.run_dir), final_params(tmp_path / "dist"))

@@ -67,12 +67,20 @@ def _reduce_dtype(t: torch.Tensor) -> torch.dtype:
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]  # params -> any torch optimizer
 
 
+def adam_factory(lr: float, betas: tuple[float, float], eps: float) -> OuterFactory:
+    """Outer Adam: torch's Adam (no weight decay) with the pseudo-gradient as its gradient."""
+    return lambda params: torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, foreach=False)
+
+
+ElementState = dict[tuple[int, str], torch.Tensor]  # (parameter position, state name) -> a tensor shaped like it
+
+
 class OuterOptimizer:
     """SGD (optionally Nesterov) on the global parameters θ, driven by pseudo-gradients, or any torch optimizer
     a ``factory`` makes for the parameters (the pseudo-gradient is handed to it as the gradient).
 
     With lr 1 and no momentum the step sets θ to the workers' mean (LocalSGD). Parameters that receive
-    no pseudo-gradient in a step keep their momentum untouched (their grad stays None, never zero).
+    no pseudo-gradient in a step keep their state untouched (their grad stays None, never zero).
     """
 
     def __init__(
@@ -100,17 +108,43 @@ class OuterOptimizer:
             param.grad = None
 
     def momentum_buffers(self) -> list[torch.Tensor | None]:
+        """Outer SGD's momentum per parameter (None before its first step or without momentum)."""
         return [self.optimizer.state.get(p, {}).get("momentum_buffer") for p in self.params]
 
-    def set_momentum_buffers(self, buffers: Sequence[torch.Tensor | None]) -> None:
-        for param, buffer in zip(self.params, buffers, strict=True):
-            if buffer is None:
-                self.optimizer.state.pop(param, None)
+    def element_state(self) -> ElementState:
+        """Every state tensor shaped like its parameter (SGD's momentum, Adam's two moments): what merging
+        trainers averages and mirroring sends as tensors. The rest (step counts) is ``scalar_state``."""
+        return {
+            (i, name): value
+            for i, p in enumerate(self.params)
+            for name, value in self.optimizer.state.get(p, {}).items()
+            if _per_element(value, p)
+        }
+
+    def scalar_state(self) -> dict[int, dict]:
+        """Per parameter position, the state entries that are not per-element tensors (Adam's step count)."""
+        return {
+            i: {n: v.clone() if torch.is_tensor(v) else v for n, v in state.items() if not _per_element(v, p)}
+            for i, p in enumerate(self.params)
+            if (state := self.optimizer.state.get(p))
+        }
+
+    def load_element_state(self, tensors: ElementState, scalars: dict[int, dict]) -> None:
+        """Replace the state with copies of ``tensors`` and ``scalars``; a parameter with neither has none."""
+        for i, p in enumerate(self.params):
+            entries = {name: t.clone() for (j, name), t in tensors.items() if j == i}
+            entries.update(scalars.get(i, {}))
+            if entries:
+                self.optimizer.state[p] = entries
             else:
-                self.optimizer.state[param] = {"momentum_buffer": buffer.clone()}
+                self.optimizer.state.pop(p, None)
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
+
+
+def _per_element(value: object, param: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape

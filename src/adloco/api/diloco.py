@@ -24,13 +24,22 @@ from adloco.batch.policy import TrainerBatch
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.config import ConfigError, TrainConfig, build_config
 from adloco.placement import placement
-from adloco.sync import RoundState, StepRecord, SyncSettings, SyncStrategy, WorkerRound, build_strategy
+from adloco.sync import (
+    RoundState,
+    StepRecord,
+    SyncSettings,
+    SyncStrategy,
+    WorkerRound,
+    build_strategy,
+    outer_factory,
+)
 from adloco.sync.rounds import SKIPPED_STEP
 from adloco.trainer import Trainer
 from adloco.trainer_sync import MergeEvent, maybe_merge, synchronize
 
 METHODS = ("diloco", "localsgd", "streaming", "ddp", "adloco")
 _STATE_KEY = "adloco_diloco"
+_SETTINGS_BEFORE = {"outer_optimizer": "sgd"}  # states saved before these settings
 
 
 def loop_settings(
@@ -86,6 +95,8 @@ class DiLoCo:
         _check_optimizer(optimizer, self.params)
         if outer_optimizer is not None and method in ("localsgd", "ddp"):
             raise ValueError(f"method={method!r} has no outer optimizer of its own to replace; use method='diloco'")
+        if outer_optimizer is not None and (outer or {}).get("optimizer", "sgd") != "sgd":
+            raise ValueError("give either outer_optimizer= or outer={'optimizer': ...}, not both")
         self.shards: WorkerShards | None = worker_shards(self.params)  # a worker spanning several ranks (FSDP2)
         self.comm = _communicator(process_group, local_rows(self.params[0]).device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -306,8 +317,9 @@ class DiLoCo:
         if state["world_size"] != self.world_size:
             raise ValueError(f"the state was saved by {state['world_size']} ranks; this job has {self.world_size}")
         settings = _settings(self.config, self.shards, self.batch is not None)
-        if state.get("settings", settings) != settings:
-            raise ValueError(f"the state was saved with other settings ({state['settings']}); now {settings}")
+        saved_settings = {**_SETTINGS_BEFORE, **state.get("settings", settings)}
+        if saved_settings != settings:
+            raise ValueError(f"the state was saved with other settings ({saved_settings}); now {settings}")
         saved = {int(k): trainer for k, trainer in state["trainers"].items()}
         if any(k not in self.trainers for k in saved):
             raise ValueError("this DiLoCo's trainers merged after the state was saved: load it into a new DiLoCo")
@@ -343,7 +355,8 @@ def _fingerprint(
     holds (the ranks that exchange hold the same rows of different workers)."""
     batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.b_max)
     merge = (config.trainers, config.merge.policy, config.merge.every, config.merge.group_size)
-    settings = (config.method, config.sync_every, config.streaming.fragments, config.codec.name, batch, merge,
+    codec = (config.codec.name, config.codec.density, config.codec.value_bits, config.codec.chunk_size)
+    settings = (config.method, config.sync_every, config.streaming.fragments, codec, batch, merge,
                 check_finite)  # fmt: skip
     model = tuple((tuple(p.shape), str(p.dtype)) for p in rows)
     shard = (1, 0) if shards is None else (shards.count, shards.index)
@@ -357,6 +370,7 @@ def _settings(config: TrainConfig, shards: WorkerShards | None, adaptive: bool) 
         "sync_every": config.sync_every,
         "fragments": config.streaming.fragments,
         "overlap": config.outer.overlap,
+        "outer_optimizer": config.outer.optimizer,
         "codec": config.codec.name,
         "error_feedback": config.codec.error_feedback,
         "shards": 1 if shards is None else shards.count,
@@ -445,7 +459,7 @@ def _trainers(
             outer_momentum=outer.momentum,
             nesterov=bool(outer.nesterov),
             fragments=parameter_fragments(config, names),
-            outer_factory=factory,
+            outer_factory=factory or outer_factory(outer),
         )
         for k, worker_ids in placement(config.trainers, config.workers).items()
     }

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from adloco.algorithms.codecs import get_codec
-from adloco.algorithms.outer import OuterFactory
+from adloco.algorithms.codecs import Codec, get_codec
+from adloco.algorithms.outer import OuterFactory, adam_factory
+from adloco.algorithms.sparse import TopKCodec
 from adloco.comm.base import Communicator
 from adloco.config import CodecConfig, OuterConfig, StreamingConfig, TrainConfig
 from adloco.sync.base import SyncStrategy
@@ -33,7 +34,9 @@ __all__ = [
     "SyncSettings",
     "SyncStrategy",
     "WorkerRound",
+    "build_codec",
     "build_strategy",
+    "outer_factory",
 ]
 
 
@@ -54,19 +57,35 @@ class SyncSettings:
         return cls(config.method, config.sync_every, config.outer, config.streaming, config.codec)
 
 
+def build_codec(codec: CodecConfig) -> Codec | None:
+    """The codec of the config's ``codec`` section (None: float32 through the summing path)."""
+    if codec.name == "none":
+        return None
+    if codec.name == "topk":
+        return TopKCodec(codec.density, codec.value_bits, codec.chunk_size)
+    return get_codec(codec.name, codec.block_size)
+
+
+def outer_factory(outer: OuterConfig) -> OuterFactory | None:
+    """The outer optimizer ``outer.optimizer`` names, as a factory; None for outer SGD (the built-in default)."""
+    if outer.optimizer == "adam":
+        assert outer.lr is not None
+        return adam_factory(outer.lr, outer.betas, outer.eps)
+    return None
+
+
 def build_strategy(
     settings: SyncSettings,
     comm: Communicator,
     trainers: dict[int, Trainer],
     workers: Mapping[int, Worker],
-    outer_factory: OuterFactory | None = None,
+    factory: OuterFactory | None = None,
 ) -> SyncStrategy:
     """The strategy of ``settings.method`` (LocalSGD and AdLoCo are DiLoCo with other outer/batch settings);
-    ``outer_factory``: the outer optimizer of each worker's own copy under eager overlap (default: outer SGD)."""
+    ``factory``: the outer optimizer of each worker's own copy under eager overlap (default: ``settings.outer``'s)."""
     if settings.method == "ddp":
         return DDPSync(comm, trainers, workers)
-    codec = None if settings.codec.name == "none" else get_codec(settings.codec.name, settings.codec.block_size)
-    exchange = DeltaExchange(comm, codec, settings.codec.error_feedback, sorted(workers))
+    exchange = DeltaExchange(comm, build_codec(settings.codec), bool(settings.codec.error_feedback), sorted(workers))
     if settings.method == "streaming":
         return StreamingSync(
             comm, trainers, workers, exchange, stream=settings.streaming, sync_every=settings.sync_every
@@ -74,6 +93,12 @@ def build_strategy(
     if settings.outer.overlap != "none":
         eager = settings.outer.overlap == "eager"
         return OverlappedSync(
-            comm, trainers, workers, exchange, outer=settings.outer, eager=eager, outer_factory=outer_factory
+            comm,
+            trainers,
+            workers,
+            exchange,
+            outer=settings.outer,
+            eager=eager,
+            outer_factory=factory or outer_factory(settings.outer),
         )
     return DiLoCoSync(comm, trainers, workers, exchange)

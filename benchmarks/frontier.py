@@ -1,0 +1,143 @@
+"""The 2025-26 frontier at equal tokens: AdamW-DiLoCo against MuLoCo (Muon inner steps), each at its own outer
+settings; dense fp32 against fp4 with error feedback and top-k at 1 % and 3 % with 2-bit values; outer Adam.
+
+    python benchmarks/frontier.py --write                         # both corpora, seed 0, the anchor budget
+    python benchmarks/frontier.py --corpus python --seeds 0,1     # one corpus, two seeds
+    python benchmarks/frontier.py --only muon,adamw --reuse       # some runs; keep those already stored
+
+Every run is 4 workers × batch 3, H = 10 (the defaults), 1.536 M training tokens, one thread, two runs at a
+time. Results go to benchmarks/results/frontier.json (runs already there are kept with --reuse, so the
+benchmark can be run in parts) and, with --write, to docs/frontier.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from common import ANCHOR_TOKENS, ROOT, describe, environment, train_run
+from link import corpus_overrides
+
+from adloco.checkpoint import atomic_write_bytes
+
+RESULTS = ROOT / "benchmarks" / "results" / "frontier.json"
+PAPER_OUTER = ["outer.lr=0.7", "outer.momentum=0.6"]  # MuLoCo's reported outer Nesterov settings
+VARIANTS: dict[str, list[str]] = {
+    "adamw": [],  # our DiLoCo default: outer lr 1.0, Nesterov momentum 0.5
+    "adamw-paper-outer": PAPER_OUTER,
+    "muon": ["inner.optimizer=muon"],
+    "muon-paper-outer": ["inner.optimizer=muon", *PAPER_OUTER],
+    "fp4-ef": ["codec.name=fp4-e2m1", "codec.error_feedback=true"],
+    "topk-1%": ["codec.name=topk", "codec.density=0.01"],
+    "topk-3%": ["codec.name=topk", "codec.density=0.03"],
+    "outer-adam": ["outer.optimizer=adam"],
+}
+
+
+def _key(corpus: str, seed: int, name: str) -> str:
+    return f"{corpus}/seed{seed}/{name}"
+
+
+def _run(corpus: str, seed: int, name: str, tokens: int, root: Path, data: list[str]) -> tuple[str, dict]:
+    overrides = ["method=diloco", f"seed={seed}", f"total_tokens={tokens}", "threads=1", "eval.every=20",
+                 *data, *VARIANTS[name]]  # fmt: skip
+    summary = train_run(f"{corpus}-{seed}-{name}", overrides, root, timeout=7200)
+    summary.pop("curve", None), summary.pop("batches", None)
+    print(
+        f"{corpus} seed {seed} {name}: val loss {summary['val_loss']:.4f}, {summary['bytes'] / 1e6:,.1f} MB", flush=True
+    )
+    return _key(corpus, seed, name), summary
+
+
+def _load() -> dict[str, Any]:
+    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": {}}
+
+
+def _save(report: dict[str, Any]) -> None:
+    atomic_write_bytes(RESULTS, (json.dumps(report, indent=1) + "\n").encode())
+
+
+def table(report: dict[str, Any], corpus: str) -> str:
+    """One corpus: each variant's val loss (mean over the seeds stored), against AdamW-DiLoCo's, and its bytes."""
+    runs = {k.split("/", 2)[2]: [] for k in report["runs"] if k.startswith(f"{corpus}/")}
+    for key, run in report["runs"].items():
+        if key.startswith(f"{corpus}/"):
+            runs[key.split("/", 2)[2]].append(run)
+    if "adamw" not in runs:
+        return ""
+    base_loss = sum(r["val_loss"] for r in runs["adamw"]) / len(runs["adamw"])
+    base_bytes = runs["adamw"][0]["bytes"]
+    lines = ["| run | overrides | seeds | val loss | vs AdamW-DiLoCo | bytes sent | fewer than fp32 |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name in [n for n in VARIANTS if n in runs]:
+        done = runs[name]
+        loss = sum(r["val_loss"] for r in done) / len(done)
+        losses = ", ".join(f"{r['val_loss']:.4f}" for r in done)
+        lines.append(
+            f"| {name} | `{' '.join(VARIANTS[name]) or '(defaults)'}` | {len(done)} | {loss:.4f} ({losses}) "
+            f"| {100 * (loss / base_loss - 1):+.2f} % | {done[0]['bytes'] / 1e6:,.1f} MB "
+            f"| {base_bytes / done[0]['bytes']:,.1f}× |"
+        )
+    return "\n".join(lines)
+
+
+def write_doc(report: dict[str, Any]) -> None:
+    doc = ROOT / "docs" / "frontier.md"
+    text = doc.read_text() if doc.exists() else "# The frontier methods, measured\n"
+    begin, end = "<!-- frontier: begin -->", "<!-- frontier: end -->"
+    body = [begin, f"Measured {describe(report['environment'])}; {report['tokens']:,} training tokens per run.", ""]
+    for corpus, title in (("shakespeare", "Tiny Shakespeare"), ("python", "Python standard library")):
+        rows = table(report, corpus)
+        if rows:
+            body += [f"**{title}**", "", rows, ""]
+    body.append(end)
+    block = "\n".join(body)
+    text = (
+        text[: text.index(begin)] + block + text[text.index(end) + len(end) :] if begin in text else text + "\n" + block
+    )
+    doc.write_text(text + ("" if text.endswith("\n") else "\n"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", default="shakespeare,python", help="shakespeare, python, or both (comma list)")
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--only", help="comma-separated variant names (default: all)")
+    parser.add_argument("--tokens", type=int, default=ANCHOR_TOKENS)
+    parser.add_argument("--reuse", action="store_true", help="keep runs already stored for these settings")
+    parser.add_argument("--write", action="store_true", help="write the tables into docs/frontier.md")
+    args = parser.parse_args()
+    names = args.only.split(",") if args.only else list(VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    report = _load()
+    if report.get("tokens") not in (None, args.tokens):
+        report = {"runs": {}}  # another budget: the stored runs do not compare
+    report["tokens"] = args.tokens
+    jobs = []
+    for corpus in args.corpus.split(","):
+        data = [] if corpus == "shakespeare" else corpus_overrides(corpus)[0]
+        for seed in (int(s) for s in args.seeds.split(",")):
+            jobs += [
+                (corpus, seed, n, data) for n in names if not (args.reuse and _key(corpus, seed, n) in report["runs"])
+            ]
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(_run, c, s, n, args.tokens, Path(tmp), d) for c, s, n, d in jobs]
+        for future in futures:
+            key, summary = future.result()
+            report["runs"][key] = summary
+            report["environment"] = environment()
+            _save(report)
+    for corpus in ("shakespeare", "python"):
+        print(corpus, "\n" + table(report, corpus))
+    if args.write:
+        write_doc(report)
+
+
+if __name__ == "__main__":
+    main()

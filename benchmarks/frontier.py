@@ -35,6 +35,9 @@ VARIANTS: dict[str, list[str]] = {
     "topk-1%": ["codec.name=topk", "codec.density=0.01"],
     "topk-3%": ["codec.name=topk", "codec.density=0.03"],
     "outer-adam": ["outer.optimizer=adam"],
+    "muon-topk-1%": ["inner.optimizer=muon", "codec.name=topk", "codec.density=0.01"],
+    "muon-topk-3%": ["inner.optimizer=muon", "codec.name=topk", "codec.density=0.03"],
+    "ddp-muon": ["method=ddp", "inner.optimizer=muon"],  # Muon's own every-step baseline
 }
 
 
@@ -46,7 +49,7 @@ def _run(corpus: str, seed: int, name: str, tokens: int, root: Path, data: list[
     overrides = ["method=diloco", f"seed={seed}", f"total_tokens={tokens}", "threads=1", "eval.every=20",
                  *data, *VARIANTS[name]]  # fmt: skip
     summary = train_run(f"{corpus}-{seed}-{name}", overrides, root, timeout=7200)
-    summary.pop("curve", None), summary.pop("batches", None)
+    summary.pop("batches", None)  # the curve stays: bytes and seconds to a target loss are read from it
     print(
         f"{corpus} seed {seed} {name}: val loss {summary['val_loss']:.4f}, {summary['bytes'] / 1e6:,.1f} MB", flush=True
     )

@@ -40,6 +40,19 @@ def test_a_trainers_batch_sets_its_workers_inner_lr_and_beta2(scaling, b, lr_fac
             assert group["betas"] == (0.9, pytest.approx(beta2, rel=1e-12))
 
 
+def test_with_muon_the_batch_scales_both_lrs_and_only_adamws_beta2():
+    """Muon's update is orthogonalized (its size is set by the lr, not by a second moment), so a larger batch
+    moves its lr as it moves AdamW's, and β2 (AdamW's alone) keeps its half-life in samples."""
+    cluster = _cluster(["method=diloco", "workers=1", "inner.optimizer=muon", "inner.muon_lr=2e-3"])
+    (trainer,) = cluster.trainers.values()
+    trainer.batch_size = 12
+    cluster.run_round(0, 1, lambda step: 1e-3)
+    (worker,) = cluster.workers.values()
+    muon, *adamw = worker.optimizer.param_groups
+    assert muon["lr"] == pytest.approx(2e-3 * 2.0, rel=1e-12) and "betas" not in muon
+    assert all(g["lr"] == pytest.approx(1e-3 * 2.0) and g["betas"][1] == pytest.approx(0.99**4) for g in adamw)
+
+
 def test_the_coupling_can_be_turned_off():
     cluster = _cluster(["method=diloco", "workers=1", "batch.lr_scaling=none", "batch.beta2_scaling=false"])
     (trainer,) = cluster.trainers.values()

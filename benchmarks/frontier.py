@@ -35,6 +35,9 @@ VARIANTS: dict[str, list[str]] = {
     "topk-1%": ["codec.name=topk", "codec.density=0.01"],
     "topk-3%": ["codec.name=topk", "codec.density=0.03"],
     "outer-adam": ["outer.optimizer=adam"],
+    "topk-3%-8bit": ["codec.name=topk", "codec.density=0.03", "codec.value_bits=8"],
+    # SparseLoCo's structure: no outer momentum, a decayed error-feedback accumulator in its place
+    "sparseloco-3%": ["codec.name=topk", "codec.density=0.03", "codec.feedback_decay=0.95", "outer.momentum=0"],
     "muon-topk-1%": ["inner.optimizer=muon", "codec.name=topk", "codec.density=0.01"],
     "muon-topk-3%": ["inner.optimizer=muon", "codec.name=topk", "codec.density=0.03"],
     "ddp-muon": ["method=ddp", "inner.optimizer=muon"],  # Muon's own every-step baseline

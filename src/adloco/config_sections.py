@@ -312,6 +312,13 @@ class CodecConfig(_Section):
     error_feedback: bool | None = Field(
         None, description="Add each worker's quantization residual to its next exchange (default: on for topk only)."
     )
+    feedback_decay: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="β: the residual added back is β times what was dropped (SparseLoCo's accumulator; use with "
+        "outer.momentum=0, as the decayed residual stands in for outer momentum).",
+    )
     density: float = Field(0.01, gt=0, le=1, description="topk: the fraction of each chunk's entries sent.")
     value_bits: int = Field(2, description="topk: bits per sent value (2 to 8; 32 sends float32 values).")
     chunk_size: int = Field(4096, ge=2, le=2**16, description="topk: elements per chunk (the top k of each are sent).")

@@ -86,3 +86,15 @@ def test_workers_payloads_average_in_float32():
     a, b = torch.tensor([1.0, 0.0, 2.0, 0.0]), torch.tensor([0.0, 4.0, 2.0, 0.0])
     mean = decode_and_average([codec.encode(a), codec.encode(b)], codec)
     assert torch.equal(mean, torch.tensor([0.5, 2.0, 2.0, 0.0]))
+
+
+def test_a_decayed_feedback_adds_back_beta_times_the_residual():
+    """SparseLoCo's accumulator: e ← β·e + Δ, then what is sent leaves it."""
+    codec, feedback = TopKCodec(density=0.5, value_bits=32, chunk_size=2), ErrorFeedback(decay=0.5)
+    x = torch.tensor([4.0, 1.0])
+    first = codec.decode(codec.encode(feedback.compensate("k", x)))
+    feedback.record("k", x, first)
+    assert torch.equal(first, torch.tensor([4.0, 0.0])) and torch.equal(feedback.residuals["k"], torch.tensor([0.0, 1]))
+    assert torch.equal(feedback.compensate("k", x), torch.tensor([4.0, 1.5]))
+    with pytest.raises(ValueError, match="decay"):
+        ErrorFeedback(decay=0.0)

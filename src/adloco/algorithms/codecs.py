@@ -307,18 +307,27 @@ def decode_and_average(
 
 
 class ErrorFeedback:
-    """Keeps what quantization dropped, per key, and adds it back to the next exchange of that key."""
+    """Keeps what quantization dropped, per key, and adds it back to the next exchange of that key.
 
-    def __init__(self) -> None:
+    ``decay`` β < 1 adds back β times the residual (SparseLoCo's accumulator e ← β·e + Δ, which stands in for outer
+    momentum there); 1 adds it all.
+    """
+
+    def __init__(self, decay: float = 1.0) -> None:
+        if not 0 < decay <= 1:
+            raise ValueError(f"error feedback decay must be in (0, 1], got {decay}")
+        self.decay = decay
         self.residuals: dict[str, torch.Tensor] = {}
 
     def compensate(self, key: str, x: torch.Tensor) -> torch.Tensor:
-        """x plus the residual left by the previous exchange of ``key`` (x itself the first time)."""
+        """x plus the (decayed) residual left by the previous exchange of ``key`` (x itself the first time)."""
         residual = self.residuals.get(key)
         if residual is None:
             return x
         if residual.shape != x.shape:
             raise ValueError(f"error feedback {key!r}: residual shape {tuple(residual.shape)} != {tuple(x.shape)}")
+        if self.decay != 1.0:
+            return x + self.decay * residual.to(x.device)
         return x + residual.to(x.device)
 
     def record(self, key: str, compensated: torch.Tensor, decoded: torch.Tensor) -> None:

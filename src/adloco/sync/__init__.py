@@ -85,7 +85,10 @@ def build_strategy(
     ``factory``: the outer optimizer of each worker's own copy under eager overlap (default: ``settings.outer``'s)."""
     if settings.method == "ddp":
         return DDPSync(comm, trainers, workers)
-    exchange = DeltaExchange(comm, build_codec(settings.codec), bool(settings.codec.error_feedback), sorted(workers))
+    codec = settings.codec
+    exchange = DeltaExchange(
+        comm, build_codec(codec), bool(codec.error_feedback), sorted(workers), codec.feedback_decay
+    )
     if settings.method == "streaming":
         return StreamingSync(
             comm, trainers, workers, exchange, stream=settings.streaming, sync_every=settings.sync_every

@@ -48,11 +48,19 @@ def _averaged(gathered: Gathered, divisor: float) -> Exchanged:
 class DeltaExchange:
     """Start exchanges of Δ = θ − θ_m; the caller decides when to wait for them."""
 
-    def __init__(self, comm: Communicator, codec: Codec | None, error_feedback: bool, hosted: Sequence[int]) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        codec: Codec | None,
+        error_feedback: bool,
+        hosted: Sequence[int],
+        feedback_decay: float = 1.0,
+    ) -> None:
         self.comm = comm
         self.codec = codec
         # What quantization dropped, per hosted worker, added back to its next exchange of the same fragment.
-        self.feedback = {w: ErrorFeedback() for w in hosted} if codec is not None and error_feedback else {}
+        on = codec is not None and error_feedback
+        self.feedback = {w: ErrorFeedback(feedback_decay) for w in hosted} if on else {}
         self.peak_sync_bytes = 0
 
     def start(

@@ -159,3 +159,9 @@ def test_outer_adam_takes_its_own_lr_default_and_refuses_sgd_settings():
         build_config(overrides=["method=localsgd", "outer.optimizer=adam"])
     with pytest.raises(ConfigError, match="outer.betas"):
         build_config(overrides=["outer.optimizer=adam", "outer.betas=[0.9, 1.0]"])
+
+
+def test_a_feedback_decay_without_error_feedback_is_refused():
+    assert build_config(overrides=["codec.name=topk", "codec.feedback_decay=0.9"]).codec.error_feedback is True
+    with pytest.raises(ConfigError, match="feedback_decay"):
+        build_config(overrides=["codec.name=int8", "codec.feedback_decay=0.9"])

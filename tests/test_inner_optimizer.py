@@ -69,3 +69,16 @@ def test_a_model_without_hidden_matrices_is_refused_with_its_reason():
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4))
     with pytest.raises(ValueError, match="no hidden matrices"):
         MuonWithAdamW(model.parameters(), hidden_matrices(model))
+
+
+def test_it_copies_whole_and_refuses_a_group_that_neither_half_would_step():
+    """A deep copy (pickling) keeps both halves: torch's own keeps only the groups and the state."""
+    model = _model()
+    optimizer = MuonWithAdamW(model.parameters(), hidden_matrices(model))
+    _step(model, optimizer, 0)
+    copied = copy.deepcopy({"model": model, "optimizer": optimizer})
+    _step(model, optimizer, 1)
+    _step(copied["model"], copied["optimizer"], 1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), copied["model"].parameters(), strict=True))
+    with pytest.raises(ValueError, match="cannot take new parameter groups"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})

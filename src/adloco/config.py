@@ -65,7 +65,7 @@ _METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-ADAM_OUTER_LR = 3e-3  # the best of a sweep on the anchor task (docs/outer.md)
+ADAM_OUTER_LR = 3e-3  # the best of a sweep on the anchor task (docs/optimizers.md)
 
 
 def _adam_outer_defaults(outer: OuterConfig) -> tuple[float, float, bool]:

@@ -306,7 +306,7 @@ class CodecConfig(_Section):
     name: Literal["none", "fp32", "bf16", "fp16", "int8", "fp8-e4m3", "fp4-e2m1", "fp4-e3m0", "topk"] = Field(
         "none",
         description="Encoding of exchanged pseudo-gradients; none sends float32 through an all-reduce path; topk "
-        "sends the largest entries of each chunk (SparseLoCo, docs/codecs.md).",
+        "sends the largest entries of each chunk (SparseLoCo, docs/streaming-and-codecs.md).",
     )
     block_size: int = Field(32, ge=1, description="Elements sharing one power-of-two scale (int8, fp8, fp4).")
     error_feedback: bool | None = Field(
@@ -334,6 +334,8 @@ class CodecConfig(_Section):
     def _feedback_default(self) -> CodecConfig:
         if self.error_feedback is None:
             self.error_feedback = self.name == "topk"
+        if self.feedback_decay != 1.0 and not (self.error_feedback and self.name != "none"):
+            raise ValueError("feedback_decay: decays the error feedback, which this codec setting does not keep")
         return self
 
 

@@ -55,6 +55,9 @@ class Muon(torch.optim.Optimizer):
                     raise ValueError(f"Muon steps 2-D matrices only, got a parameter of shape {tuple(p.shape)}")
         self.ns_dtype = ns_dtype
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "ns_dtype": self.ns_dtype}  # torch keeps defaults, state and groups only
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = _closure_loss(closure)
@@ -109,7 +112,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         rest = [p for p in params if id(p) not in chosen]
         muon_lr = lr if muon_lr is None else muon_lr
         self.muon = Muon(
-            [{"params": matrices, "lr": muon_lr, "lr_scale": muon_lr / lr}],
+            [{"params": matrices, "lr": muon_lr, "lr_scale": muon_lr / lr if lr else 1.0}],
             lr=muon_lr,
             weight_decay=weight_decay,
             momentum=muon_momentum,
@@ -127,6 +130,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
         )
         super().__init__([*self.muon.param_groups, *self.adamw.param_groups], defaults={})
         self._share()
+        self._built = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_built", False):  # a group added here would belong to neither half and never step
+            raise ValueError("MuonWithAdamW cannot take new parameter groups: build a new one over all the parameters")
+        super().add_param_group(param_group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "muon": self.muon, "adamw": self.adamw, "_built": True}
 
     def _share(self) -> None:
         """Point the two optimizers at this one's groups and state (again after a load replaced them)."""

@@ -156,3 +156,13 @@ def test_outer_adam_is_torch_adam_on_the_pseudo_gradient_and_its_state_moves_who
     outer.step(deltas[0])
     rebuilt.step(deltas[0])
     assert all(torch.equal(a, b) for a, b in zip(theta, copy, strict=True))
+
+
+def test_a_scalar_parameters_momentum_is_per_element_state_and_a_step_count_is_not():
+    theta = [torch.tensor(1.0), torch.ones(2)]
+    sgd = OuterOptimizer(theta, lr=0.7, momentum=0.9)
+    sgd.step([torch.tensor(0.5), torch.ones(2)])
+    assert sorted(sgd.element_state()) == [(0, "momentum_buffer"), (1, "momentum_buffer")]
+    adam = OuterOptimizer(theta, lr=0.1, factory=adam_factory(0.1, (0.9, 0.95), 1e-8))
+    adam.step([torch.tensor(0.5), torch.ones(2)])
+    assert (0, "step") not in adam.element_state() and float(adam.scalar_state()[0]["step"]) == 1.0

@@ -98,3 +98,10 @@ def test_a_decayed_feedback_adds_back_beta_times_the_residual():
     assert torch.equal(feedback.compensate("k", x), torch.tensor([4.0, 1.5]))
     with pytest.raises(ValueError, match="decay"):
         ErrorFeedback(decay=0.0)
+
+
+def test_a_chunk_with_fewer_non_zeros_than_k_decodes_its_zeros_as_zeros():
+    codec = TopKCodec(density=0.5, value_bits=2, chunk_size=8)  # k = 4 of 8, 3 non-zero (and a short last chunk)
+    x = torch.tensor([0.0, 3.0, 0.0, -1.5, 0.0, 0.0, 3.0, 0.0, 0.0, 2.0])
+    assert torch.equal(codec.decode(codec.encode(x)), torch.tensor([0.0, 3, 0, -1.5, 0, 0, 3, 0, 0, 2]))
+    assert TopKCodec(density=0.07, chunk_size=100).k == 7  # not ⌈7.000000000000001⌉

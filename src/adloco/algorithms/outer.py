@@ -118,13 +118,13 @@ class OuterOptimizer:
             (i, name): value
             for i, p in enumerate(self.params)
             for name, value in self.optimizer.state.get(p, {}).items()
-            if _per_element(value, p)
+            if _per_element(name, value, p)
         }
 
     def scalar_state(self) -> dict[int, dict]:
         """Per parameter position, the state entries that are not per-element tensors (Adam's step count)."""
         return {
-            i: {n: v.clone() if torch.is_tensor(v) else v for n, v in state.items() if not _per_element(v, p)}
+            i: {n: v.clone() if torch.is_tensor(v) else v for n, v in state.items() if not _per_element(n, v, p)}
             for i, p in enumerate(self.params)
             if (state := self.optimizer.state.get(p))
         }
@@ -146,5 +146,6 @@ class OuterOptimizer:
         self.optimizer.load_state_dict(state)
 
 
-def _per_element(value: object, param: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape
+def _per_element(name: str, value: object, param: torch.Tensor) -> bool:
+    """A tensor shaped like its parameter (a scalar parameter's momentum too), except a step count."""
+    return torch.is_tensor(value) and value.shape == param.shape and name != "step"

@@ -7,7 +7,8 @@ Payload of one worker, all ``uint8`` so it rides the all-gather every codec uses
 - scales: one float32 per chunk, the chunk's largest magnitude (its four bytes); none at 32 bits.
 k = ⌈density · chunk_size⌉ for every chunk (the last one is padded with zeros), so the size is known before
 encoding. The value levels are m·j/L for j = 1 … L, L = 2^(value_bits − 1), m the chunk's absmax: a kept value is
-off by at most m/(2L) (by less than m/L where it is below m/(2L)). What is not sent (the other entries and the
+off by at most m/(2L) (by less than m/L where it is below m/(2L)); a chunk with fewer than k non-zero entries
+repeats its largest one in the spare slots, so its zeros decode as zeros. What is not sent (the other entries and the
 rounding) is what error feedback carries to the next round, and why it is on by default with this codec.
 """
 
@@ -22,20 +23,33 @@ from adloco.algorithms.codecs import Codec, Encoded
 DEFAULT_CHUNK = 4096  # SparseLoCo's 64×64 chunks: 12-bit indices
 
 
+_PIECE = 1 << 18  # values packed at a time: bounds the bit-by-bit temporaries (a multiple of 8, so pieces join)
+
+
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Non-negative integers below 2^bits, packed low bit first into ⌈len·bits/8⌉ bytes."""
-    shifts = torch.arange(bits, device=values.device)
-    stream = ((values.reshape(-1, 1).long() >> shifts) & 1).to(torch.uint8).reshape(-1)
-    stream = torch.nn.functional.pad(stream, (0, (-stream.numel()) % 8))
+    """Non-negative integers below 2^bits (at most 2^16 here), packed low bit first into ⌈len·bits/8⌉ bytes."""
+    flat = values.reshape(-1).to(torch.int32)
+    shifts = torch.arange(bits, device=values.device, dtype=torch.int32)
     weights = (1 << torch.arange(8, device=values.device)).to(torch.uint8)
-    return (stream.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    pieces = []
+    for start in range(0, max(flat.numel(), 1), _PIECE):
+        stream = ((flat[start : start + _PIECE, None] >> shifts) & 1).to(torch.uint8).reshape(-1)
+        stream = torch.nn.functional.pad(stream, (0, (-stream.numel()) % 8))
+        pieces.append((stream.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8))
+    return torch.cat(pieces)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """The ``count`` integers ``pack_bits`` packed, as int64."""
-    stream = ((packed.reshape(-1, 1) >> torch.arange(8, device=packed.device)) & 1).reshape(-1)[: count * bits]
-    weights = 1 << torch.arange(bits, device=packed.device)
-    return (stream.view(count, bits).long() * weights).sum(dim=1)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int32)
+    pieces = []
+    for start in range(0, count, _PIECE):
+        size = min(_PIECE, count - start)
+        chunk = packed[start * bits // 8 : (start * bits + size * bits + 7) // 8]
+        stream = ((chunk[:, None] >> shifts) & 1).reshape(-1)[: size * bits]
+        pieces.append((stream.view(size, bits).to(torch.int32) * weights).sum(dim=1))
+    return torch.cat(pieces).long() if pieces else torch.zeros(0, dtype=torch.long, device=packed.device)
 
 
 class TopKCodec(Codec):
@@ -50,7 +64,7 @@ class TopKCodec(Codec):
         if value_bits != 32 and not 2 <= value_bits <= 8:
             raise ValueError(f"value_bits must be 2 to 8, or 32, got {value_bits}")
         self.density, self.value_bits = density, value_bits
-        self.k = min(chunk_size, math.ceil(density * chunk_size))
+        self.k = min(chunk_size, math.ceil(round(density * chunk_size, 9)))  # 0.07·100 is 7, not 8
         self.index_bits = max(1, math.ceil(math.log2(chunk_size)))
         self.levels = 2 ** (value_bits - 1)
 
@@ -87,6 +101,11 @@ class TopKCodec(Codec):
         chunks = self._chunks(flat)
         picked = chunks.abs().topk(self.k, dim=1, sorted=True).indices
         values = chunks.gather(1, picked)
+        # A chunk with fewer than k non-zero entries picks zeros, which no value level can say (the levels start at
+        # m/L): such a pick repeats the chunk's largest entry (picked first), which decodes to the same place.
+        zero = values == 0
+        picked = torch.where(zero, picked[:, :1], picked)
+        values = torch.where(zero, values[:, :1], values)
         codes = [pack_bits(picked, self.index_bits)]
         if self.value_bits == 32:
             codes.append(values.contiguous().view(torch.uint8).reshape(-1))

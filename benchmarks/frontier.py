@@ -63,8 +63,15 @@ def _load() -> dict[str, Any]:
     return json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": {}}
 
 
-def _save(report: dict[str, Any]) -> None:
-    atomic_write_bytes(RESULTS, (json.dumps(report, indent=1) + "\n").encode())
+def _save(report: dict[str, Any], key: str, summary: dict) -> None:
+    """Add one run to the stored results as they are on disk now (another invocation may have added its own)."""
+    stored = _load()
+    if stored.get("tokens") != report["tokens"]:
+        stored = {"runs": {}}
+    stored["runs"][key] = report["runs"][key] = summary
+    stored.update(tokens=report["tokens"], environment=environment())
+    report.update(stored)
+    atomic_write_bytes(RESULTS, (json.dumps(stored, indent=1) + "\n").encode())
 
 
 def table(report: dict[str, Any], corpus: str) -> str:
@@ -135,10 +142,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=2) as pool:
         futures = [pool.submit(_run, c, s, n, args.tokens, Path(tmp), d) for c, s, n, d in jobs]
         for future in futures:
-            key, summary = future.result()
-            report["runs"][key] = summary
-            report["environment"] = environment()
-            _save(report)
+            _save(report, *future.result())
     for corpus in ("shakespeare", "python"):
         print(corpus, "\n" + table(report, corpus))
     if args.write:

@@ -22,7 +22,7 @@ from common import ROOT, train_run
 
 import adloco
 
-CODECS = ["none", "bf16", "fp16", "int8", "fp8-e4m3", "fp4-e2m1", "fp4-e3m0"]
+CODECS = ["none", "bf16", "fp16", "int8", "fp8-e4m3", "fp4-e2m1", "fp4-e3m0", "topk"]
 
 
 def run(codec: str, tokens: int, root: Path, extra: list[str]) -> dict:

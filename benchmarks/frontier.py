@@ -53,6 +53,7 @@ def _run(corpus: str, seed: int, name: str, tokens: int, root: Path, data: list[
                  *data, *VARIANTS[name]]  # fmt: skip
     summary = train_run(f"{corpus}-{seed}-{name}", overrides, root, timeout=7200)
     summary.pop("batches", None)  # the curve stays: bytes and seconds to a target loss are read from it
+    summary["overrides"] = [o.replace(f"{ROOT}/", "") for o in summary["overrides"]]  # no machine's paths
     print(
         f"{corpus} seed {seed} {name}: val loss {summary['val_loss']:.4f}, {summary['bytes'] / 1e6:,.1f} MB", flush=True
     )
@@ -75,25 +76,29 @@ def _save(report: dict[str, Any], key: str, summary: dict) -> None:
 
 
 def table(report: dict[str, Any], corpus: str) -> str:
-    """One corpus: each variant's val loss (mean over the seeds stored), against AdamW-DiLoCo's, and its bytes."""
-    runs = {k.split("/", 2)[2]: [] for k in report["runs"] if k.startswith(f"{corpus}/")}
+    """One corpus: each variant's val loss (mean over its seeds) against AdamW-DiLoCo's over the same seeds, and
+    its bytes."""
+    runs: dict[str, dict[str, dict]] = {}
     for key, run in report["runs"].items():
-        if key.startswith(f"{corpus}/"):
-            runs[key.split("/", 2)[2]].append(run)
-    if "adamw" not in runs:
+        where, seed, name = key.split("/", 2)
+        if where == corpus:
+            runs.setdefault(name, {})[seed] = run
+    base = runs.get("adamw", {})
+    if not base:
         return ""
-    base_loss = sum(r["val_loss"] for r in runs["adamw"]) / len(runs["adamw"])
-    base_bytes = runs["adamw"][0]["bytes"]
-    lines = ["| run | overrides | seeds | val loss | vs AdamW-DiLoCo | bytes sent | fewer than fp32 |",
+    lines = ["| run | overrides | seeds | val loss | vs AdamW-DiLoCo, same seeds | bytes sent | fewer than fp32 |",
              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name in [n for n in VARIANTS if n in runs]:
         done = runs[name]
-        loss = sum(r["val_loss"] for r in done) / len(done)
-        losses = ", ".join(f"{r['val_loss']:.4f}" for r in done)
+        seeds = [s for s in done if s in base] or list(done)
+        loss = sum(done[s]["val_loss"] for s in done) / len(done)
+        matched = sum(done[s]["val_loss"] for s in seeds) / sum(base[s]["val_loss"] for s in seeds) - 1
+        losses = ", ".join(f"{done[s]['val_loss']:.4f}" for s in sorted(done))
+        first = next(iter(done.values()))
         lines.append(
             f"| {name} | `{' '.join(VARIANTS[name]) or '(defaults)'}` | {len(done)} | {loss:.4f} ({losses}) "
-            f"| {100 * (loss / base_loss - 1):+.2f} % | {done[0]['bytes'] / 1e6:,.1f} MB "
-            f"| {base_bytes / done[0]['bytes']:,.1f}× |"
+            f"| {100 * matched:+.2f} % | {first['bytes'] / 1e6:,.1f} MB "
+            f"| {next(iter(base.values()))['bytes'] / first['bytes']:,.1f}× |"
         )
     return "\n".join(lines)
 

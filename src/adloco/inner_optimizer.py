@@ -119,10 +119,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             ns_dtype=ns_dtype,
         )
         self.adamw = torch.optim.AdamW(
-            [
-                {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
-                {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
-            ],
+            decay_matrices_only(rest, weight_decay),
             lr=lr,
             betas=betas,
             eps=eps,
@@ -163,6 +160,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
             self._share()
 
 
+def decay_matrices_only(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's two groups: weight decay on the 2-D weights, none on norms and biases."""
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
 def _closure_loss(closure: Any) -> Any:
     """What torch optimizers do with a ``closure``: evaluate it with gradients on, before the step."""
     if closure is None:
@@ -187,10 +192,7 @@ def inner_optimizer(model: torch.nn.Module, inner: InnerConfig, adamw_options: d
             adamw_options=adamw_options,
         )
     return torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": inner.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ],
+        decay_matrices_only(params, inner.weight_decay),
         lr=inner.lr,
         betas=(inner.beta1, inner.beta2),
         eps=inner.eps,

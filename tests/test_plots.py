@@ -12,7 +12,8 @@ from adloco.plots import plot_run
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _write(run_dir, merges: bool, memory: bool, cuda: bool = False, lr_scale: bool = False, sent: bool = True) -> None:
+def _write(run_dir, merges: bool, memory: bool, cuda: bool = False, lr_scale: bool = False, sent: bool = True,
+           auto: bool = False) -> None:  # fmt: skip
     lines = []
     for r in range(6):
         record = {
@@ -27,6 +28,8 @@ def _write(run_dir, merges: bool, memory: bool, cuda: bool = False, lr_scale: bo
         }
         if lr_scale:
             record["lr_scale"] = {k: (b / 2) ** 0.5 for k, b in record["batch"].items()}
+        if auto:
+            record.update(sync_every=4 * 2**r, sync={"sync_every": 8 * 2**r, "reason": "grow"})
         if memory:
             record["memory"] = [
                 {"rank": k, "rss_mib": 300.0 + 10 * r + k, "peak_rss_mib": 320.0 + 10 * r} for k in (0, 1)
@@ -65,6 +68,13 @@ def test_cuda_memory_gets_its_own_panel(tmp_path):
     _write(tmp_path / "gpu", merges=False, memory=True, cuda=True)
     cpu, gpu = _width(plot_run(tmp_path / "cpu")[2]), _width(plot_run(tmp_path / "gpu")[2])
     assert gpu > cpu * 1.5  # two panels side by side
+
+
+def test_h_chosen_while_training_gets_its_own_panel(tmp_path):
+    _write(tmp_path / "fixed", merges=False, memory=False)
+    _write(tmp_path / "auto", merges=False, memory=False, auto=True)
+    fixed, auto = _width(plot_run(tmp_path / "fixed")[1]), _width(plot_run(tmp_path / "auto")[1])
+    assert auto > fixed * 1.5  # b and H side by side
 
 
 def test_the_inner_lr_factor_is_drawn_beside_b_when_recorded(tmp_path):

@@ -31,8 +31,8 @@ def test_bytes_counted_from_reduced_tensors(fast_overrides):
     ddp_rounds = [r for r in read_metrics(ddp.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     # 2 workers each send one fp32 pseudo-gradient per round with their round report in the same collective
     # (float64: out flag, b_max, stop signal, checkpoint request, step and overhead seconds, 5 statistics, then
-    # loss, tokens and health of each step) and, once at start-up, every worker's b_max (one float64 each)
-    report_bytes = 2 * 8 * (11 + 3 * diloco_rounds[0]["steps"])
+    # loss, tokens and health of each step, then ‖Δ‖²) and, once at start-up, every worker's b_max (one float64)
+    report_bytes = 2 * 8 * (11 + 3 * diloco_rounds[0]["steps"] + 1)
     assert diloco_rounds[0]["bytes"] == 2 * 4 * params + report_bytes + 2 * 8
     assert [r["exchanges"] for r in diloco_rounds] == [2] + [1] * (len(diloco_rounds) - 1)  # + the handshake
     # DDP sends a full gradient from every worker at every step, each with a one-step report, and no Δ
@@ -77,6 +77,17 @@ def test_same_seed_same_numbers_and_other_seed_differs(fast_overrides):
         + PINNED_PACE,
         # MuLoCo-style: Muon inner steps, outer Adam per fragment; both optimizers' states go through the checkpoint
         ["method=streaming", "inner.optimizer=muon", "outer.optimizer=adam", "sync_every=4", "streaming.fragments=2"],
+        # H chosen while training (4, 8, 16, ...): the rule's state goes through the checkpoint, and the fragments'
+        # exchanges in flight cross a boundary where H changes
+        [
+            "method=streaming",
+            "sync_every=auto",
+            "sync_auto.min=4",
+            "sync_auto.max=16",
+            "sync_auto.start=4",
+            "total_tokens=2048",
+            *PINNED_PACE,
+        ],  # fmt: skip
     ],
 )
 def test_resume_from_a_mid_run_checkpoint_is_bit_identical(method, fast_overrides, tmp_path):

@@ -15,10 +15,12 @@ from adloco import cluster_state, trainer_sync
 from adloco.algorithms.batch_tests import GradientStatistics
 from adloco.algorithms.controller import StepCost
 from adloco.algorithms.fragments import assign_fragments
+from adloco.algorithms.schedules import inner_lr
 from adloco.algorithms.sharding import local_shard
 from adloco.algorithms.switch import MicroBatchPlan
+from adloco.algorithms.sync_every import SyncDecision, dispersion
 from adloco.batch.policy import TrainerBatch
-from adloco.batch.rounds import RoundBatches
+from adloco.batch.rounds import RoundBatches, auto_sync_every
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
 from adloco.engine import RankEngine, worker_groups
@@ -62,6 +64,7 @@ class RoundReport:
     failed: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     request: BoundaryRequest = BoundaryRequest()
+    sync: dict = field(default_factory=dict)  # H of the next round and why (``SyncDecision.to_dict``)
 
 
 def resolve_b_max(
@@ -129,9 +132,10 @@ class Cluster:
         self.b_max = {w: int(v[0]) for w, v in shared.items()}
         self.engine = RankEngine(self.workers, self.groups, self.b_max, config.batch)
         timed = config.batch.controller == "time" or config.batch.shares == "speed"
-        self.costs = self._cost_model(template) if timed else None
-        shape = (config.total_workers, config.sync_every, self.context)
-        self.batches = RoundBatches(config.batch, self.trainers, self.b_max, self.costs, shape, self.collect_statistics)
+        self.costs = self._cost_model(template) if timed else pinned_costs(config.batch, self.worker_rank)
+        shape = (config.total_workers, config.first_sync_every, self.context)
+        self.batches = RoundBatches(config.batch, self.trainers, self.b_max, self.costs, shape,
+                                    self.collect_statistics, auto_sync_every(config))  # fmt: skip
         self.overhead_seconds = math.nan  # this rank's last round: wall time not spent computing steps
         self.retired_streams: dict[int, dict] = {}  # elastic: streams of workers a resize retired, by worker id
         self.resized: tuple[int, int] | None = None  # elastic: (workers in the checkpoint, workers now)
@@ -251,7 +255,8 @@ class Cluster:
         ``tokens_left`` (the budget after this round) bounds how far a time-aware controller grows b."""
         started = time.perf_counter()
         ask = self._asked_by_every_shard(ask)
-        state = RoundState(round_index, steps, first_step, self.batches.statistics_due(round_index))
+        state = RoundState(round_index, steps, first_step, self.batches.statistics_due(round_index),
+                           self.inner_steps_per_round())  # fmt: skip
         state.local = {w: WorkerRound(b_max=self.b_max[w]) for w in self.workers}
         # The plan (samples per step) is fixed for the round: every rank counts the same budget without asking.
         round_samples = self.samples_per_step()
@@ -273,16 +278,46 @@ class Cluster:
         state.stamp(ask())
         self._time_alike_on_every_shard(state)
         state.stamp_seconds(self.overhead_seconds)
+        sync = self._boundary(state, round_samples, tokens_left)
+        self.overhead_seconds = max(0.0, time.perf_counter() - started - sum(state.compute_seconds.values()))
+        report = self._report(state)
+        report.sync = sync.to_dict()
+        return report
+
+    def _boundary(self, state: RoundState, round_samples: dict[int, int], tokens_left: int | None) -> SyncDecision:
+        """The round boundary: exchanges and outer steps, the workers' dispersion, batch decisions, every trainer's
+        state on every rank, the costs learned and the next round's H."""
         self.sync.end_of_round(state)
         for worker_id in state.out:
             self.workers[worker_id].reset_optimizer()  # restarts from θ with fresh AdamW moments
+        for trainer in self.sync.taking_part():
+            trainer.dispersion = dispersion(*self._drift_of_every_shard(trainer), state.weights)
+        self.batches.lr_ratio = self._lr_ratio(state.first_step + state.steps, tokens_left)
         self.batches.decide(state, self.sync.taking_part(), self._cross_worker_statistics, tokens_left)
         self.synchronize(state)
         if self.costs is not None:  # after synchronize every rank holds every report: the same costs everywhere
             self.costs.learn(state.reports, round_samples)
         self.b_max.update({w: r.b_max for w, r in state.reports.items()})
-        self.overhead_seconds = max(0.0, time.perf_counter() - started - sum(state.compute_seconds.values()))
-        return self._report(state)
+        return self.batches.decide_sync_every(state, self.worker_rank)
+
+    def _drift_of_every_shard(self, trainer: Trainer) -> tuple[dict[int, float], float]:
+        """The trainer's drift in the round's exchanges; a sharded worker's summed over its shards."""
+        drift = self.sync.take_drift(trainer.trainer_id)
+        if self.comm.shards == 1:
+            return drift.worker_sq, drift.mean_sq
+        ids = sorted(drift.worker_sq)
+        summed = self.comm.sum_over_shards(
+            torch.tensor([drift.mean_sq] + [drift.worker_sq[w] for w in ids], dtype=torch.float64)
+        ).tolist()
+        return dict(zip(ids, summed[1:], strict=True)), summed[0]
+
+    def _lr_ratio(self, next_step: int, tokens_left: int | None) -> float:
+        """The inner lr at the next round's start over its peak; 1.0 during the warm-up."""
+        inner = self.config.inner
+        if next_step < inner.warmup_steps:
+            return 1.0
+        done = 0.0 if tokens_left is None else 1.0 - tokens_left / self.config.total_tokens
+        return inner_lr(next_step, done, inner.lr, inner.min_lr, inner.warmup_steps) / inner.lr
 
     # A sharded worker's ranks are in different shard groups, each with its own round exchange: whatever a rank
     # measures by itself (signals, clocks) is made the same on all shards first, or the groups would decide apart.

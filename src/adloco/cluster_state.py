@@ -41,6 +41,7 @@ def shared_state(cluster: Cluster) -> dict:
         "b_max": dict(cluster.b_max),  # every worker's, so a rank that reads only its own workers knows them all
         "pending": cluster.sync.state_dict(),
         **({"costs": cluster.costs.state_dict()} if cluster.costs is not None else {}),
+        **({"sync_every": cluster.batches.auto.state_dict()} if cluster.batches.auto is not None else {}),
         **({"retired_streams": dict(cluster.retired_streams)} if cluster.retired_streams else {}),
     }
 
@@ -74,6 +75,8 @@ def load_state_dict(cluster: Cluster, state: dict) -> None:
     cluster.sync.load_state_dict(state.get("pending", {}))
     if cluster.costs is not None and "costs" in state:
         cluster.costs.load_state_dict(state["costs"])
+    if cluster.batches.auto is not None:  # sync_every cannot change on resume: an auto run saved its rule's state
+        cluster.batches.auto.load_state_dict(state["sync_every"])
 
 
 def _resize(cluster: Cluster, saved: dict[int, dict], saved_ids: list[int]) -> None:

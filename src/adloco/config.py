@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from adloco.algorithms.schedules import validate_schedule
 from adloco.config_input import YAMLInputError, apply_overrides, excerpt, load_yaml
@@ -25,6 +25,7 @@ from adloco.config_sections import (
     OuterConfig,
     RunConfig,
     StreamingConfig,
+    SyncAutoConfig,
 )
 from adloco.errors import CheckpointError, ConfigError
 
@@ -43,6 +44,7 @@ __all__ = [
     "OuterConfig",
     "RunConfig",
     "StreamingConfig",
+    "SyncAutoConfig",
     "TrainConfig",
     "apply_overrides",
     "build_config",
@@ -91,10 +93,10 @@ class TrainConfig(BaseModel):
     trainers: int | None = Field(
         None, ge=1, description="Model instances (K) of Multi-Instance Training, merged as they go; default 1."
     )
-    sync_every: int | None = Field(
+    sync_every: int | Literal["auto"] | None = Field(
         None,
-        ge=1,
-        description="H: inner steps per round (ddp averages gradients every step; H only sets its round length).",
+        description="H: inner steps per round (ddp averages gradients every step; H only sets its round length); "
+        "'auto' chooses H while training from measured step and exchange times (section sync_auto).",
     )
     total_tokens: int = Field(1_536_000, ge=1, description="Training tokens over all workers and trainers.")
     # Bounded so that every seed derived from it (seed × stride + worker) fits torch's 64-bit generators.
@@ -153,6 +155,7 @@ class TrainConfig(BaseModel):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     comm: CommConfig = Field(default_factory=CommConfig)
     streaming: StreamingConfig = Field(default_factory=StreamingConfig)
+    sync_auto: SyncAutoConfig = Field(default_factory=SyncAutoConfig)
     codec: CodecConfig = Field(default_factory=CodecConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
@@ -166,6 +169,13 @@ class TrainConfig(BaseModel):
     def given_keys(self) -> frozenset[str]:
         """The top-level keys the input set (before method defaults filled the rest in)."""
         return self._given
+
+    @field_validator("sync_every", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "auto" and not value.strip().isdigit():
+            raise ValueError(f"{excerpt(value)} is neither a number of inner steps nor auto")
+        return value
 
     @model_validator(mode="after")
     def _resolve_method_defaults(self) -> TrainConfig:
@@ -200,17 +210,8 @@ class TrainConfig(BaseModel):
             self.merge.policy = defaults["merge"] if self.trainers > 1 else "off"
         if self.method == "ddp" and (self.batch.test != "constant" or self.batch.controller != "test"):
             raise ValueError("batch.test: ddp runs with a constant batch")
-        streaming = self.streaming
-        if self.method == "streaming":
-            streaming.fragments = 2 if streaming.fragments is None else streaming.fragments
-            streaming.overlap = 1 if streaming.overlap is None else streaming.overlap
-            streaming.alpha = 0.5 if streaming.alpha is None else streaming.alpha
-            validate_schedule(self.sync_every, streaming.fragments, streaming.overlap)
-        else:
-            for key, value in (("fragments", streaming.fragments), ("overlap", streaming.overlap)):
-                if value not in (None, 1 if key == "fragments" else 0):
-                    raise ValueError(f"streaming.{key}: only method=streaming syncs fragments")
-            streaming.fragments, streaming.overlap, streaming.alpha = 1, 0, 0.0
+        self._check_auto_sync()
+        self._resolve_streaming()
         if self.outer.overlap != "none" and self.method not in ("diloco", "localsgd"):
             raise ValueError(
                 f"outer.overlap: {self.outer.overlap} overlaps whole-model DiLoCo rounds (method=diloco or "
@@ -227,6 +228,53 @@ class TrainConfig(BaseModel):
             raise ValueError(f"inner.min_lr ({self.inner.min_lr}) is larger than inner.lr ({self.inner.lr})")
         _check_float32(self)
         return self
+
+    def _resolve_streaming(self) -> None:
+        streaming = self.streaming
+        if self.method == "streaming":
+            streaming.fragments = 2 if streaming.fragments is None else streaming.fragments
+            streaming.overlap = 1 if streaming.overlap is None else streaming.overlap
+            streaming.alpha = 0.5 if streaming.alpha is None else streaming.alpha
+            for h in self.sync_bounds if self.auto_sync else (self.sync_every,):
+                validate_schedule(h, streaming.fragments, streaming.overlap)
+            return
+        for key, value in (("fragments", streaming.fragments), ("overlap", streaming.overlap)):
+            if value not in (None, 1 if key == "fragments" else 0):
+                raise ValueError(f"streaming.{key}: only method=streaming syncs fragments")
+        streaming.fragments, streaming.overlap, streaming.alpha = 1, 0, 0.0
+
+    @property
+    def auto_sync(self) -> bool:
+        """H chosen while training (``sync_every=auto``)."""
+        return self.sync_every == "auto"
+
+    @property
+    def sync_bounds(self) -> tuple[int, int]:
+        """The H auto may choose: ``sync_auto.min`` up and ``sync_auto.max`` down to multiples of the fragments."""
+        p = self.streaming.fragments or 1
+        return -(-self.sync_auto.min // p) * p, max(p, self.sync_auto.max // p * p)
+
+    @property
+    def first_sync_every(self) -> int:
+        """H of the first round: ``sync_every``, or with auto ``sync_auto.start`` within its bounds."""
+        if isinstance(self.sync_every, int):
+            return self.sync_every
+        low, high = self.sync_bounds
+        p = self.streaming.fragments or 1
+        return min(max(-(-self.sync_auto.start // p) * p, low), high)
+
+    def _check_auto_sync(self) -> None:
+        if isinstance(self.sync_every, int) and self.sync_every < 1:
+            raise ValueError(f"sync_every: {self.sync_every} inner steps per round; give 1 or more, or auto")
+        auto = self.sync_auto
+        if auto.min > auto.max:
+            raise ValueError(f"sync_auto.min ({auto.min}) is larger than sync_auto.max ({auto.max})")
+        if not self.auto_sync:
+            return
+        if self.method == "ddp":
+            raise ValueError("sync_every: ddp averages gradients every step; auto chooses H for DiLoCo-family methods")
+        if self.batch.keep_round_time:
+            raise ValueError("batch.keep_round_time: sync_every=auto already chooses the round's length")
 
     def _check_shares(self) -> None:
         batch = self.batch

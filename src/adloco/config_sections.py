@@ -284,6 +284,26 @@ class CheckpointConfig(_Section):
     )
 
 
+class SyncAutoConfig(_Section):
+    """``sync_every=auto``: how H is chosen while training (docs/auto-sync.md)."""
+
+    min: int = Field(5, ge=1, description="Smallest H auto may choose (streaming: a multiple of the fragments).")
+    max: int = Field(200, ge=1, description="Largest H auto may choose (streaming: a multiple of the fragments).")
+    start: int = Field(10, ge=1, description="H of the first rounds, until a round's costs are measured.")
+    drift_steps: float = Field(
+        1000.0,
+        gt=0,
+        description="H_d, the drift scale in inner steps: H* = sqrt(H_d·c/t) for exchange seconds c per round and "
+        "compute seconds t per step; larger means longer rounds on the same link. It grows as the inner lr decays.",
+    )
+    max_dispersion: float = Field(
+        1.0,
+        gt=0,
+        description="Halve H when the workers' pseudo-gradient dispersion δ exceeds this (δ ≤ 1 for workers that "
+        "share a direction up to noise).",
+    )
+
+
 class StreamingConfig(_Section):
     fragments: int | None = Field(
         None, ge=1, description="P: parameter fragments synced in turn (streaming: 2; other methods: 1)."

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
@@ -14,6 +14,8 @@ from adloco.config import TrainConfig
 
 
 def _type_name(annotation: Any) -> str:
+    if get_origin(annotation) is Union:  # int | Literal['auto'] | None prints as Union[...] otherwise
+        return " | ".join(_type_name(a) for a in get_args(annotation))
     text = str(annotation).replace("typing.", "")
     return text.replace("<class '", "").replace("'>", "").replace("NoneType", "None")
 

@@ -141,7 +141,7 @@ def _follow(config: TrainConfig, rounds: list[dict[str, Any]], trainer: int) -> 
         losses = _as_int_keys(record.get("train_loss"))
         plans = _as_int_keys(record.get("plan"))
         ran = {k: _count(_field(plans.get(k), "samples"), batch_before.get(k, config.batch.size)) for k in losses}
-        steps = _count(record.get("steps"), config.sync_every)
+        steps = _count(record.get("steps"), config.first_sync_every)
         tokens = _count(record.get("tokens"), tokens_before)
         step_after = _count(record.get("step"), step_before + steps)
         loss = _number(losses.get(trainer))
@@ -200,12 +200,12 @@ def _at_round(round_number: int, tokens: float, syncs_per_round: int) -> dict[st
 
 def _syncs_per_round(config: TrainConfig) -> int:
     # DDP all-reduces gradients at every inner step; every other method synchronises once per round.
-    return config.sync_every if config.method == "ddp" else 1
+    return config.first_sync_every if config.method == "ddp" else 1
 
 
 def _schedule(config: TrainConfig) -> Schedule:
     inner = config.inner
-    return Schedule(inner.lr, inner.min_lr, inner.warmup_steps, config.total_tokens, config.sync_every)
+    return Schedule(inner.lr, inner.min_lr, inner.warmup_steps, config.total_tokens, config.first_sync_every)
 
 
 def _raw_statistics(config: TrainConfig, points: list[RoundPoint]) -> list[tuple[RoundPoint, float, float]]:

@@ -57,6 +57,7 @@ class Pace:
     round_seconds: float
     sync_every: int
     limit: int | None
+    per_step: Callable[[float], float] | None = None  # sync_every=auto: seconds per step at step time t, H its own
 
 
 class CostModel:

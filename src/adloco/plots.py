@@ -134,10 +134,14 @@ def _plot_batch(records: list[dict], merges: list, path: Path) -> Path:
     lr_scale = _series(records, "lr_scale")
     if lr_scale:
         panels.append(("inner lr factor", "inner lr × (b / batch.size)^α per trainer", lr_scale))
+    chosen = [(r["round"], r["sync_every"]) for r in records if r.get("kind") == "round" and _auto(r)]
+    if chosen:  # sync_every=auto: H per round, for the whole run
+        panels.append(("H (inner steps)", "H per round (sync_every=auto)", {"H": [(0, n, 0, h) for n, h in chosen]}))
     figure, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
     for axis, (ylabel, title, series) in zip(axes[0], panels, strict=True):
         for trainer, points in sorted(series.items()):
-            axis.step([p[1] for p in points], [p[3] for p in points], where="post", label=f"trainer {trainer}")
+            label = trainer if trainer == "H" else f"trainer {trainer}"
+            axis.step([p[1] for p in points], [p[3] for p in points], where="post", label=label)
         _mark_merges(axis, merges, 1)
         axis.set_xlabel("round")
         axis.set_ylabel(ylabel)
@@ -146,6 +150,11 @@ def _plot_batch(records: list[dict], merges: list, path: Path) -> Path:
         if series:
             axis.legend(fontsize=8)
     return _save(figure, path)
+
+
+def _auto(record: dict) -> bool:
+    """A round whose H was chosen while training (its decision has a reason other than ``fixed``)."""
+    return (record.get("sync") or {}).get("reason", "fixed") != "fixed" and "sync_every" in record
 
 
 def _plot_memory(memory: dict, merges: list, name: str, path: Path) -> Path:

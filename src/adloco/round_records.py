@@ -114,6 +114,8 @@ def round_record(
     return dict(
         round=plan.index + 1,
         steps=plan.steps,
+        sync_every=plan.sync_every,
+        sync=report.sync or None,
         tokens=counters["tokens"],
         train_loss=report.loss,
         val_loss=dict(run.last_val) if evaluated else None,

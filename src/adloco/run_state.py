@@ -58,6 +58,7 @@ class RoundPlan:
     plans: dict
     started: float
     samples: dict[int, int] = field(default_factory=dict)  # each worker's samples per step in the round
+    sync_every: int = 0  # the round's H (steps is less where the budget cuts the last round short)
 
     def lr_at(self, config: TrainConfig, step: int) -> float:
         fraction = (self.tokens_before + step * self.per_step) / config.total_tokens

@@ -4,6 +4,7 @@ How θ is updated (when, from which exchange) is the sync strategy's business (`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ class Trainer:
         self.theta = [t.detach().clone().float() for t in theta]
         self.worker_ids = sorted(worker_ids)
         self.batch = batch  # b_req and what decides it: the batch policy's (adloco.batch)
+        self.dispersion = math.nan  # its workers' pseudo-gradient dispersion δ in the last round (sync_every)
         # One outer optimizer per fragment (a single one covering θ unless streaming): a fragment that does
         # not sync gets no gradient, so its momentum cannot leak.
         self.fragments = [list(range(len(self.theta)))] if fragments is None else [list(f) for f in fragments]
@@ -118,11 +120,13 @@ class Trainer:
         return {
             **self.batch.mirror(),
             "worker_ids": list(self.worker_ids),
+            "dispersion": self.dispersion,
         }
 
     def load_sync_metadata(self, meta: dict) -> None:
         self.batch.load_mirror(meta)
         self.worker_ids = list(meta["worker_ids"])
+        self.dispersion = float(meta["dispersion"])
 
     def state_dict(self) -> dict:
         return {

@@ -352,7 +352,7 @@ def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> RunSt
         log.info("resumed from round %d (%d tokens)", counters["round"], counters["tokens"])
     else:
         log.info(
-            "start: method=%s trainers=%d workers=%d H=%d params=%d context=%d tokens=%d ranks=%d",
+            "start: method=%s trainers=%d workers=%d H=%s params=%d context=%d tokens=%d ranks=%d",
             config.method,
             config.trainers,
             config.workers,
@@ -419,7 +419,8 @@ def _plan_round(run: RunState) -> RoundPlan:
                 plan.mode,
                 plan.sizes,
             )
-    steps = min(cluster.inner_steps_per_round(), math.ceil((config.total_tokens - counters["tokens"]) / per_step))
+    sync_every = cluster.inner_steps_per_round()
+    steps = min(sync_every, math.ceil((config.total_tokens - counters["tokens"]) / per_step))
     return RoundPlan(
         index=counters["round"],
         steps=steps,
@@ -429,6 +430,7 @@ def _plan_round(run: RunState) -> RoundPlan:
         plans=plans,
         started=time.perf_counter(),
         samples=cluster.samples_per_step(),
+        sync_every=sync_every,
     )
 
 
@@ -446,6 +448,7 @@ def _show_step(run: RunState, plan: RoundPlan, progress: StepProgress, display: 
     val = f" val {min(run.last_val.values()):.3f}" if run.last_val else ""
     trainers = len(run.cluster.trainers)
     status = f"loss {progress.loss:.3f}{val} b={batch_label}" + (f" K={trainers}" if trainers > 1 else "")
+    status += f" H={plan.sync_every}" if run.config.auto_sync else ""
     display.show(plan.index, plan.tokens_before + (progress.step + 1) * plan.per_step, status)
 
 

@@ -286,3 +286,25 @@ def test_a_framework_wrapper_that_averages_gradients_is_refused():
     keep_gradients_local(FullyShardedDataParallel(), world_size=1)  # one rank: nothing is averaged
     with pytest.raises(ValueError, match="wrapped in FullyShardedDataParallel, which averages gradients"):
         keep_gradients_local(FullyShardedDataParallel(), world_size=2)
+
+
+def test_auto_chooses_each_rounds_length_in_the_loop_and_keeps_it_in_its_state():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    bounds = {"min": 2, "max": 8, "start": 2}
+    with DiLoCo(model, optimizer, sync_every="auto", sync_auto=bounds) as diloco:
+        lengths, steps = [], 0
+        while steps < 40:
+            lengths.append(diloco.rounds.length)
+            _train(model, optimizer, diloco, diloco.rounds.length, start=steps)
+            steps += lengths[-1]
+            decision = diloco.rounds.last
+            assert decision is not None and decision.sync_every == diloco.rounds.length
+    assert diloco.rounds.count == len(lengths) and diloco.inner_step == sum(lengths)
+    assert all(2 <= h <= 8 for h in lengths)
+    # the first boundary has no exchange time of a previous one yet; from the second on H follows the costs
+    assert diloco.rounds.last.reason in ("grow", "shrink", "hold", "min", "max")
+    fresh = _model()
+    restored = DiLoCo(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), sync_every="auto", sync_auto=bounds)
+    restored.load_state_dict(diloco.state_dict())
+    assert restored.rounds.length == diloco.rounds.length and restored.rounds.count == diloco.rounds.count

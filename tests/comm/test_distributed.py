@@ -245,6 +245,9 @@ def test_eager_overlap_matches_in_process(tmp_path):
     assert same_params(final_params(local.run_dir), final_params(tmp_path / "dist"))
 
 
+AUTO_4_TO_16 = ["sync_auto.min=4", "sync_auto.start=4", "sync_auto.max=16", *PINNED_PACE]
+
+
 def _exchanges_per_round(tmp_path, name: str, overrides: list[str]) -> list[list[int]]:
     """Per round after the first (which holds the start-up handshake) and before the last (maybe shorter):
     each rank's count of blocking exchanges."""
@@ -257,24 +260,25 @@ def _exchanges_per_round(tmp_path, name: str, overrides: list[str]) -> list[list
 @pytest.mark.parametrize(
     ("method", "per_round", "sync_every"),
     [
-        (["method=diloco", "workers=2"], 1, (8,)),  # Δ and every worker's round report in one collective
-        # one per fragment, and the reports; the same at two H (each launch costs seconds: one method shows it)
-        (["method=streaming", "workers=2", "streaming.fragments=2"], 3, (4, 8)),
+        (["method=diloco", "workers=2"], 1, "8"),  # Δ and every worker's round report in one collective
+        # one per fragment, and the reports, whatever H: sync_every=auto on pinned costs takes H from 4 to 8 to 16
+        # in one launch, and both ranks must choose the same H every round or the run would hang
+        (["method=streaming", "workers=2", "streaming.fragments=2", *AUTO_4_TO_16], 3, "auto"),
         # one trainer per rank: the round's exchange within each, and each trainer's state shared with the other
-        (["method=adloco", "trainers=2", "workers=1", "merge.every=100", "batch.b_cap=4"], None, (4,)),
+        (["method=adloco", "trainers=2", "workers=1", "merge.every=100", "batch.b_cap=4"], None, "4"),
     ],
 )
 def test_ranks_meet_a_fixed_number_of_times_per_round_whatever_h(tmp_path, method, per_round, sync_every):
-    """2 ranks, H = 4 and H = 8: low-communication methods meet per round, not per inner step."""
-    base = [*BASE, "batch.size=1", *method]
-    counts = {
-        h: _exchanges_per_round(tmp_path, f"h{h}", [*base, f"sync_every={h}", f"total_tokens={16 * 8 * 3 * h}"])
-        for h in sync_every
-    }
-    flat = {h: {n for r in rounds for n in r} for h, rounds in counts.items()}
-    assert len({frozenset(f) for f in flat.values()}) == 1 and all(len(f) == 1 for f in flat.values()), counts
+    """2 ranks: low-communication methods meet per round, not per inner step."""
+    tokens = 16 * 8 * 3 * (8 if sync_every == "auto" else int(sync_every))
+    overrides = [*BASE, "batch.size=1", *method, f"sync_every={sync_every}", f"total_tokens={tokens}"]
+    counts = _exchanges_per_round(tmp_path, "job", overrides)
+    assert len({n for r in counts for n in r}) == 1, counts
     if per_round is not None:
-        assert flat[sync_every[0]] == {per_round}
+        assert counts[0] == [per_round, per_round]
+    if sync_every == "auto":
+        rounds = [r for r in read_metrics(tmp_path / "job" / "metrics.jsonl") if r["kind"] == "round"]
+        assert [r["sync_every"] for r in rounds[:4]] == [4, 8, 16, 16]
 
 
 def test_ddp_meets_once_per_inner_step(tmp_path):

@@ -67,3 +67,16 @@ def test_unit_weights_give_the_unweighted_mean_bit_for_bit():
         DeltaExchange(comm, None, False, [0, 1, 2]).start(_trainer(), 0, slots, set(), healthy=3.0, weights=ones)
     )
     assert torch.equal(plain.mean[0], unit.mean[0])
+
+
+def test_each_workers_drift_rides_in_its_report_and_the_mean_drift_comes_back():
+    comm = LocalCommunicator()
+    slots = {0: _Slot(-1.0), 1: _Slot(-3.0), 2: _Slot(float("nan"))}  # Δ = 1 and 3 on 4 elements; worker 2 out
+    for codec in (None, get_codec("bf16")):
+        done = comm.wait(DeltaExchange(comm, codec, False, [0, 1, 2]).start(_trainer(), 0, slots, {2}, _reports({2})))
+        assert done.drift.worker_sq == {0: 4.0, 1: 36.0}  # the out worker is left out
+        assert done.drift.mean_sq == 16.0  # mean Δ = 2 on 4 elements
+        assert all(WorkerRound.from_tensor(r).b_max == 0 for r in done.reports.values())  # the report is intact
+    # Without reports the healthy workers are those that sent a drift
+    known = comm.wait(DeltaExchange(comm, None, False, [0, 1, 2]).start(_trainer(), 0, slots, {2}, healthy=2))
+    assert known.drift.worker_sq == {0: 4.0, 1: 36.0} and known.reports == {}

@@ -13,7 +13,7 @@ way), within [b_min, min(b_cap, what the remaining budget allows)].
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -69,18 +69,35 @@ def resolvable_noise_scale(sample_variance: float, grad_norm_sq: float, samples:
     return min(noise_scale(sample_variance, grad_norm_sq), float(samples))
 
 
-def seconds_per_progress(b: int, workers: int, noise: float, cost: StepCost, round_seconds: float, h: int) -> float:
-    """Predicted time per unit of progress at per-worker batch b (up to the constant S_min)."""
-    return (1.0 + noise / (workers * b)) * (cost.at(b) + round_seconds / h)
+PerStep = Callable[[float], float]  # seconds per step, its round's share included, at a step time t
+
+
+def seconds_per_progress(
+    b: int, workers: int, noise: float, cost: StepCost, round_seconds: float, h: int, per_step: PerStep | None = None
+) -> float:
+    """Predicted time per unit of progress at per-worker batch b (up to the constant S_min); ``per_step``: the
+    step's seconds with its share of the round when H follows the step time (``sync_every=auto``)."""
+    t = cost.at(b)
+    return (1.0 + noise / (workers * b)) * (t + round_seconds / h if per_step is None else per_step(t))
 
 
 def fastest_batch(
-    noise: float, workers: int, cost: StepCost, round_seconds: float, h: int, b_min: int, b_max: int
+    noise: float,
+    workers: int,
+    cost: StepCost,
+    round_seconds: float,
+    h: int,
+    b_min: int,
+    b_max: int,
+    per_step: PerStep | None = None,
 ) -> int:
     """The per-worker b in [b_min, b_max] with the least predicted time per unit of progress."""
     if math.isinf(noise):
         return b_max
-    return min(range(b_min, b_max + 1), key=lambda b: seconds_per_progress(b, workers, noise, cost, round_seconds, h))
+    return min(
+        range(b_min, b_max + 1),
+        key=lambda b: seconds_per_progress(b, workers, noise, cost, round_seconds, h, per_step),
+    )
 
 
 @dataclass(frozen=True)
@@ -120,9 +137,10 @@ class TimeAwareController:
         round_seconds: float,
         h: int,
         limit: int | None = None,
+        per_step: PerStep | None = None,
     ) -> TimedDecision:
         ceiling = max(self.b_min, min(self.b_cap, self.b_cap if limit is None else limit))
-        target = fastest_batch(noise, workers, cost, round_seconds, h, self.b_min, ceiling)
+        target = fastest_batch(noise, workers, cost, round_seconds, h, self.b_min, ceiling, per_step)
         direction = 1 if target > current_b else -1 if target < current_b and self.allow_shrink else 0
         same_way = direction != 0 and self.streak * direction > 0
         self.streak = self.streak + direction if same_way else direction

@@ -66,7 +66,8 @@ def fragment_offsets(sync_every: int, fragments: int) -> list[int]:
 
 
 def fragments_sending_at(step: int, sync_every: int, fragments: int) -> list[int]:
-    """Fragments that send at inner step ``step`` (1-based, counted from the start of training).
+    """Fragments that send at inner step ``step`` (1-based, counted from the start of training, or of the round:
+    the schedule repeats every H).
 
     Fragment p sends at t_p, t_p + H, t_p + 2H, … (never at step 0), so fragment 0 syncs on the round
     boundaries H, 2H, … and with P = 1 the single fragment syncs exactly where DiLoCo does.

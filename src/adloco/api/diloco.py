@@ -19,6 +19,7 @@ from adloco.algorithms.batch_tests import BatchSizeController
 from adloco.algorithms.outer import OuterFactory
 from adloco.algorithms.sharding import local_rows
 from adloco.api.adaptive import AdaptiveBatch
+from adloco.api.rounds import LoopRounds
 from adloco.api.worker import LoopWorker, WorkerShards, finite, worker_shards
 from adloco.batch.policy import TrainerBatch
 from adloco.comm import Communicator, LocalCommunicator
@@ -67,16 +68,18 @@ class DiLoCo:
     Settings are the config's sections: ``outer`` (lr, momentum, nesterov, overlap), ``streaming`` (fragments,
     overlap τ, alpha, assignment, shared) and ``codec`` (name, block_size, error_feedback); ``outer_optimizer``
     replaces the outer SGD with any torch optimizer made from θ's tensors; ``trainers`` splits the job into that
-    many trainers, merged as ``merge`` (the config's section) says. Its state (θ, outer state, exchanges in
-    flight, error feedback) comes and goes with ``state_dict``/``load_state_dict``, also as a
-    ``torch.distributed.checkpoint`` ``Stateful``.
+    many trainers, merged as ``merge`` (the config's section) says. ``sync_every="auto"`` chooses H at each
+    round's end from the loop's measured step and exchange times and the workers' dispersion (bounds and scale
+    in ``sync_auto``; ``rounds.length`` is the H of the round in progress, ``rounds.last`` the last decision).
+    Its state (θ, outer state, exchanges in flight, error feedback) comes and goes with
+    ``state_dict``/``load_state_dict``, also as a ``torch.distributed.checkpoint`` ``Stateful``.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        sync_every: int = 10,
+        sync_every: int | str = 10,
         method: str = "diloco",
         *,
         outer: dict[str, Any] | None = None,
@@ -89,6 +92,7 @@ class DiLoCo:
         total_samples: int | None = None,
         trainers: int = 1,
         merge: dict[str, Any] | None = None,
+        sync_auto: dict[str, Any] | None = None,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -103,10 +107,10 @@ class DiLoCo:
         self.global_rank = _global_rank()
         if trainers > 1 and (self.shards is not None or process_group is not None):
             raise ValueError("several trainers take a job of one rank per worker over the default process group")
-        sections = {"outer": outer, "streaming": streaming, "codec": codec, "batch": batch, "merge": merge}
+        sections = {"outer": outer, "streaming": streaming, "codec": codec, "batch": batch, "merge": merge,
+                    "sync_auto": sync_auto}  # fmt: skip
         self.config = loop_settings(method, sync_every, self.world_size, sections, trainers)
-        assert self.config.sync_every is not None
-        self.sync_every = self.config.sync_every
+        self.rounds = LoopRounds(self.config)  # their count and H (sync_every="auto": chosen at each round's end)
         self.check_finite = check_finite  # off where a loss scaler already keeps overflowing steps out
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.comm.set_placement({w: w for w in range(self.world_size)})
@@ -123,7 +127,7 @@ class DiLoCo:
         self.batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
         if adaptive:
             self.batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.trainers, self.rank,
-                                       self.sync_every, total_samples)  # fmt: skip
+                                       self.config.first_sync_every, total_samples)  # fmt: skip
         self.inner_step = 0  # inner steps taken since the start, over every round
         self._state = self._new_round()
         self._hooks: list[Any] = []
@@ -195,8 +199,10 @@ class DiLoCo:
         return self.inner_step - self._state.first_step
 
     def _new_round(self) -> RoundState:
-        state = RoundState(self.inner_step // self.sync_every, self.sync_every, self.inner_step, False)
+        h = self.rounds.length
+        state = RoundState(self.rounds.count, h, self.inner_step, False, h)
         state.local = {self.rank: WorkerRound()}
+        self.rounds.start()
         if self.batch is not None:
             self.batch.start_round(state.index)
             state.statistics_due = self.batch.statistics_due
@@ -218,7 +224,7 @@ class DiLoCo:
             self.batch.after_step(self._state.local[self.rank])
         self.sync.after_inner_step(self._state, self.round_step)
         self.inner_step += 1
-        if self.round_step >= self.sync_every:
+        if self.round_step >= self.rounds.length:
             self._end_round()
 
     def _end_round(self) -> None:
@@ -230,10 +236,12 @@ class DiLoCo:
         steps = self.round_step
         if self.batch is not None:
             self.batch.stamp(state, self.rank, steps)
-        self.sync.end_of_round(state)
+        self.rounds.stamp(record, steps)
+        self.rounds.exchange(self.sync, state, self.trainer)
         if self.batch is not None:
             self.batch.after_round(state, steps)
         self._across_trainers(state, steps)
+        self.rounds.end(state, self.trainers.values())
         if record.out:
             self.optimizer.state.clear()  # it restarts from θ (the strategy saw to that); its moments may hold NaN
         self.last_round = state
@@ -302,6 +310,7 @@ class DiLoCo:
             "worker": self.sync.worker_state(self.rank),
             "round": self._state.local[self.rank].to_tensor(),
             "batch": None if self.batch is None else self.batch.state_dict(),
+            **self.rounds.state_dict(),
         }
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -334,6 +343,7 @@ class DiLoCo:
         self.workers[self.rank].load_params(drifted)
         self.inner_step = int(state["inner_step"])
         in_progress = WorkerRound.from_tensor(state["round"])
+        self.rounds.load_state_dict(state, self.inner_step)
         self._state = self._new_round()
         self._state.first_step = self.inner_step - len(in_progress.steps)
         self._state.local[self.rank] = in_progress

@@ -90,7 +90,8 @@ class TrainerBatch:
         rounds = (1.0 + self.controller.ema) / (1.0 - self.controller.ema)
         samples = workers * self.size * rounds
         noise = resolvable_noise_scale(decision.sample_variance, decision.grad_norm_sq, samples)
-        timed = self.timed.decide(noise, workers, self.size, pace.cost, pace.round_seconds, pace.sync_every, pace.limit)
+        timed = self.timed.decide(noise, workers, self.size, pace.cost, pace.round_seconds, pace.sync_every,
+                                  pace.limit, pace.per_step)  # fmt: skip
         self.size, self.last_timed = timed.b_req, timed
         return decision
 

@@ -5,16 +5,18 @@ Every rank holds the same trainers, b_max table and costs, so every rank plans a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from adloco.algorithms.shares import balanced_split, sample_weights
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
+from adloco.algorithms.sync_every import AutoSyncEvery, SyncDecision
 from adloco.batch.policy import pace_for
 
 if TYPE_CHECKING:
     from adloco.algorithms.batch_tests import GradientStatistics
-    from adloco.config import BatchConfig
+    from adloco.config import BatchConfig, TrainConfig
     from adloco.pace import CostModel, Pace
     from adloco.sync import RoundState
     from adloco.trainer import Trainer
@@ -32,10 +34,13 @@ class RoundBatches:
         costs: CostModel | None,
         shape: tuple[int, int, int],
         collect_statistics: bool,
+        auto: AutoSyncEvery | None = None,
     ) -> None:
         self.batch, self.trainers, self.b_max, self.costs = batch, trainers, b_max, costs
         self.total_workers, self.sync_every, self.context = shape  # (workers, H, tokens per sample)
         self.collect_statistics = collect_statistics
+        self.auto = auto  # sync_every=auto: H chosen at each round's end
+        self.lr_ratio = 1.0  # the inner lr of the coming round over its peak (set by the cluster at each boundary)
 
     def worker_plan(self, worker_id: int, b_req: int) -> MicroBatchPlan:
         return plan_micro_batches(b_req, self.b_max[worker_id], self.batch.switch_factor)
@@ -72,8 +77,10 @@ class RoundBatches:
         return sum(self.samples_per_step().values()) * self.context
 
     def inner_steps_per_round(self) -> int:
-        """H, or with ``batch.keep_round_time`` H scaled down by how many more samples a step reads than at the
-        start (the same on every rank: it follows the plans)."""
+        """H (with ``sync_every=auto`` as last decided), or with ``batch.keep_round_time`` H scaled down by how many
+        more samples a step reads than at the start (the same on every rank: it follows the plans)."""
+        if self.auto is not None:
+            return self.auto.sync_every
         if not self.batch.keep_round_time:
             return self.sync_every
         start = self.batch.size * self.total_workers
@@ -101,6 +108,71 @@ class RoundBatches:
                 trainer.batch.decide(statistics, len(reports), self.pace(trainer, tokens_left))
 
     def pace(self, trainer: Trainer, tokens_left: int | None) -> Pace | None:
-        """What a time-aware decision weighs; H as it stands now: trainers decided earlier count with their new b."""
-        return pace_for(self.batch, self.costs, trainer.worker_ids, self.inner_steps_per_round(), tokens_left,
+        """What a time-aware decision weighs; H as it stands now: trainers decided earlier count with their new b.
+        With ``sync_every=auto`` each candidate b is weighed at the H the rule would choose for its step time."""
+        pace = pace_for(self.batch, self.costs, trainer.worker_ids, self.inner_steps_per_round(), tokens_left,
                         self.context, self.total_workers)  # fmt: skip
+        if pace is not None and self.auto is not None:
+            pace.per_step = self.auto.planner(pace.round_seconds, self.lr_ratio)
+        return pace
+
+    def decide_sync_every(self, state: RoundState, worker_rank: Mapping[int, int]) -> SyncDecision:
+        """The next round's H from every worker's report (the same on every rank); a fixed H is kept, with the
+        same figures recorded."""
+        return next_sync_every(self.auto, self.inner_steps_per_round(), state, worker_rank, self.trainers.values(),
+                               self.lr_ratio, self.pinned_seconds(worker_rank))  # fmt: skip
+
+    def pinned_seconds(self, worker_rank: Mapping[int, int]) -> tuple[float, float] | None:
+        """(t, c) as ``batch.step_seconds`` and ``batch.round_seconds`` pin them, both given: the busiest rank's
+        step at this round's plans and the round's overhead; None where either is measured."""
+        costs = self.costs
+        if costs is None or costs.follow_steps or costs.pinned_round is None:
+            return None
+        per_rank: dict[int, float] = {}
+        for w, samples in self.samples_per_step().items():
+            per_rank[worker_rank[w]] = per_rank.get(worker_rank[w], 0.0) + costs.worker_cost(w).at(samples)
+        return max(per_rank.values()), costs.pinned_round
+
+
+def next_sync_every(
+    auto: AutoSyncEvery | None,
+    current: int,
+    state: RoundState,
+    worker_rank: Mapping[int, int],
+    trainers: Iterable[Trainer],
+    lr_ratio: float = 1.0,
+    pinned: tuple[float, float] | None = None,
+) -> SyncDecision:
+    """H for the next round from the round's reports and the trainers' dispersion, all the same on every rank:
+    the busiest rank's compute seconds per step (its hosted workers' summed), the largest exchange overhead
+    a rank reported, the largest dispersion. ``pinned``: (t, c) from the config instead of the reports.
+    ``auto`` None: H stays ``current``, its figures recorded."""
+    per_rank: dict[int, float] = {}
+    for w, report in state.reports.items():
+        if math.isfinite(report.step_seconds):
+            per_rank[worker_rank[w]] = per_rank.get(worker_rank[w], 0.0) + report.step_seconds
+    step_seconds = max(per_rank.values(), default=math.nan)
+    overheads = [r.overhead_seconds for r in state.reports.values() if math.isfinite(r.overhead_seconds)]
+    exchange_seconds = max(overheads, default=math.nan)
+    if pinned is not None:
+        step_seconds, exchange_seconds = pinned
+    spread = max((t.dispersion for t in trainers if math.isfinite(t.dispersion)), default=math.nan)
+    if auto is not None:
+        auto.observe(step_seconds, exchange_seconds)
+        return auto.decide(lr_ratio, spread)
+    total = exchange_seconds + current * step_seconds
+    exposed = exchange_seconds / total if math.isfinite(total) and total > 0 else math.nan
+    return SyncDecision(current, math.nan, "fixed", step_seconds, exchange_seconds, exposed, math.nan, spread)
+
+
+def auto_sync_every(config: TrainConfig) -> AutoSyncEvery | None:
+    """The rule that chooses H while training (``sync_every=auto``), from the config's ``sync_auto`` section."""
+    if not config.auto_sync:
+        return None
+    auto = config.sync_auto
+    low, high = config.sync_bounds
+    # Streaming with α > 0 keeps part of each worker's own drift after a sync, by design: its workers' Δ differ
+    # by more than noise every round, so there the dispersion is recorded but does not shrink H.
+    guard = auto.max_dispersion if not config.streaming.alpha else math.inf
+    return AutoSyncEvery(low=low, high=high, start=config.first_sync_every, drift_steps=auto.drift_steps,
+                         max_dispersion=guard, multiple=config.streaming.fragments or 1)  # fmt: skip

@@ -30,7 +30,7 @@ class DiLoCoCallback(TrainerCallback):
     ``on_optimizer_step``: after it), so every rank counts every optimizer step, also one that fp16's loss scaler
     skipped on some ranks only; with that scaler DiLoCo leaves non-finite steps to it."""
 
-    def __init__(self, trainer: Trainer, sync_every: int = 10, method: str = "diloco", **settings: Any) -> None:
+    def __init__(self, trainer: Trainer, sync_every: int | str = 10, method: str = "diloco", **settings: Any) -> None:
         if method == "ddp":
             raise ValueError("method='ddp' is what the Trainer does by itself under torchrun; use it without adloco")
         self.trainer = trainer
@@ -81,7 +81,7 @@ class DiLoCoCallback(TrainerCallback):
             self.diloco.finish(into_model=not args.load_best_model_at_end)
 
 
-def use_diloco(trainer: Trainer, sync_every: int = 10, method: str = "diloco", **settings: Any) -> DiLoCoCallback:
+def use_diloco(trainer: Trainer, sync_every: int | str = 10, method: str = "diloco", **settings: Any) -> DiLoCoCallback:
     """Make ``trainer``'s next ``train()`` DiLoCo; returns the callback (its ``.diloco`` once training began)."""
     callback = DiLoCoCallback(trainer, sync_every, method, **settings)
     trainer.args.average_tokens_across_devices = False  # a collective every step, and each worker's loss rescaled

@@ -30,7 +30,7 @@ except ImportError:  # the standalone package
 class DiLoCoCallback(pl.Callback):
     """DiLoCo (or ``method`` localsgd, streaming) for the fit it is given to; the settings are ``adloco.DiLoCo``'s."""
 
-    def __init__(self, sync_every: int = 10, method: str = "diloco", **settings: Any) -> None:
+    def __init__(self, sync_every: int | str = 10, method: str = "diloco", **settings: Any) -> None:
         if method == "ddp":
             raise ValueError("method='ddp' is Lightning's own DDP strategy; use it without adloco")
         self.settings = {"sync_every": sync_every, "method": method, **settings}

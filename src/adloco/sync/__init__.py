@@ -53,8 +53,7 @@ class SyncSettings:
 
     @classmethod
     def of(cls, config: TrainConfig) -> SyncSettings:
-        assert config.sync_every is not None
-        return cls(config.method, config.sync_every, config.outer, config.streaming, config.codec)
+        return cls(config.method, config.first_sync_every, config.outer, config.streaming, config.codec)
 
 
 def build_codec(codec: CodecConfig) -> Codec | None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from adloco.comm.base import Communicator
-from adloco.sync.exchange import DeltaExchange
+from adloco.sync.exchange import DeltaExchange, Drift, Exchanged
 from adloco.sync.rounds import RoundState
 from adloco.trainer import Trainer
 from adloco.worker import Worker
@@ -54,6 +54,10 @@ class SyncStrategy:
     def flush(self) -> None:
         """Apply whatever is still in flight (end of training)."""
 
+    def take_drift(self, trainer_id: int) -> Drift:
+        """The workers' drift in the exchanges applied since the last call (none: no exchange of Δ)."""
+        return Drift()
+
     @property
     def peak_sync_bytes(self) -> int:
         return 0
@@ -81,6 +85,15 @@ class DeltaStrategy(SyncStrategy):
     ) -> None:
         super().__init__(comm, trainers, workers)
         self.exchange = exchange
+        self.drift: dict[int, Drift] = {}  # per trainer, over the exchanges applied since take_drift
+
+    def applied(self, trainer: Trainer, exchanged: Exchanged) -> list[torch.Tensor]:
+        """Note an exchange's drift as its mean is applied; returns the mean."""
+        self.drift.setdefault(trainer.trainer_id, Drift()).add(exchanged.drift)
+        return exchanged.mean
+
+    def take_drift(self, trainer_id: int) -> Drift:
+        return self.drift.pop(trainer_id, Drift())
 
     @property
     def peak_sync_bytes(self) -> int:
@@ -106,8 +119,8 @@ class DeltaStrategy(SyncStrategy):
         self.exchange.load_worker_state(worker_id, state.get("error_feedback"))
 
 
-def completed(value: list[torch.Tensor]) -> torch.futures.Future:
-    """A future that is already done (exchanges restored from a checkpoint)."""
+def completed(mean: list[torch.Tensor]) -> torch.futures.Future:
+    """An exchange that is already done (restored from a checkpoint, which keeps its mean but not its drift)."""
     future: torch.futures.Future = torch.futures.Future()
-    future.set_result(value)
+    future.set_result(Exchanged(mean=mean, reports={}))
     return future

@@ -32,5 +32,5 @@ class DiLoCoSync(DeltaStrategy):
             exchanged = self.comm.wait(future)
             state.learn(exchanged.reports)
             if not self.mark_skipped(state, trainer):
-                trainer.outer_step(0, exchanged.mean)
+                trainer.outer_step(0, self.applied(trainer, exchanged))
             trainer.broadcast(self.workers)

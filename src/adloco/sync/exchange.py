@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.futures import Future
@@ -20,11 +20,27 @@ from adloco.worker import Worker
 
 
 @dataclass
+class Drift:
+    """How far a trainer's workers went in a round: each healthy worker's ‖Δ_i‖² and the mean's ‖Δ̄‖², summed
+    over the fragments exchanged (the inputs of ``algorithms.sync_every.dispersion``)."""
+
+    worker_sq: dict[int, float] = field(default_factory=dict)
+    mean_sq: float = 0.0
+
+    def add(self, other: Drift) -> None:
+        for w, sq in other.worker_sq.items():
+            self.worker_sq[w] = self.worker_sq.get(w, 0.0) + sq
+        self.mean_sq += other.mean_sq
+
+
+@dataclass
 class Exchanged:
-    """The mean Δ of one fragment over the healthy workers, and every worker's report that came with it."""
+    """The mean Δ of one fragment over the healthy workers, every worker's report that came with it, and the
+    workers' drift."""
 
     mean: list[torch.Tensor]
     reports: dict[int, torch.Tensor]
+    drift: Drift = field(default_factory=Drift)
 
 
 def healthy_weight(reports: Mapping[int, torch.Tensor], weights: Mapping[int, float]) -> float:
@@ -40,9 +56,43 @@ def weighted(delta: list[torch.Tensor], weight: float) -> list[torch.Tensor]:
     return delta
 
 
-def _averaged(gathered: Gathered, divisor: float) -> Exchanged:
-    assert gathered.total is not None
-    return Exchanged(mean=[t.div_(divisor) for t in gathered.total], reports=gathered.reports)
+def squared_norm(tensors: Sequence[torch.Tensor]) -> float:
+    return math.fsum(float(t.detach().double().pow(2).sum()) for t in tensors)
+
+
+def _exchanged(mean: list[torch.Tensor], rows: Mapping[int, torch.Tensor], reported: bool) -> Exchanged:
+    """Split each row into the worker's report and its ‖Δ_i‖² (the row's last value). A report's first value says
+    whether the worker was out; without reports (the caller knew who was healthy) a worker that sent zeros was."""
+    healthy = {w: float(r[-1]) for w, r in rows.items() if (r[0].item() == 0.0 if reported else r[-1].item() > 0.0)}
+    reports = {w: r[:-1] for w, r in rows.items()} if reported else {}
+    return Exchanged(mean=mean, reports=reports, drift=Drift(healthy, squared_norm(mean)))
+
+
+def _deltas(
+    trainer: Trainer,
+    fragment: Sequence[int],
+    workers: Mapping[int, Worker],
+    out: Set[int],
+    reports: Mapping[int, torch.Tensor] | None,
+    bases: Mapping[int, Sequence[torch.Tensor]] | None,
+    weights: Mapping[int, float],
+) -> tuple[dict[int, list[torch.Tensor]], dict[int, torch.Tensor]]:
+    """Each hosted worker's weighted Δ of ``fragment`` (zeros when out), and the row that travels with it: its
+    report, if any, then its ‖Δ_i‖² (one float64: the round's dispersion, for free)."""
+    theta = [trainer.theta[i] for i in fragment]
+    local, rows = {}, {}
+    for w in trainer.worker_ids:
+        if w not in workers:
+            continue
+        if w in out:
+            local[w] = [torch.zeros_like(t) for t in theta]
+        else:
+            base = theta if bases is None else [bases[w][i] for i in fragment]
+            local[w] = worker_delta(base, [workers[w].params[i] for i in fragment])
+        drift = torch.tensor([squared_norm(local[w])], dtype=torch.float64)
+        rows[w] = drift if reports is None else torch.cat([reports[w].to(torch.float64), drift])
+        weighted(local[w], weights.get(w, 1.0))
+    return local, rows
 
 
 class DeltaExchange:
@@ -86,27 +136,22 @@ class DeltaExchange:
         if (reports is None) == (healthy is None):
             raise ValueError("an exchange needs either the workers' reports or the healthy count")
         fragment = trainer.fragments[index]
-        theta = [trainer.theta[i] for i in fragment]
-        local = {}
-        for w in trainer.worker_ids:
-            if w not in workers:
-                continue
-            if w in out:
-                local[w] = [torch.zeros_like(t) for t in theta]
-                continue
-            base = theta if bases is None else [bases[w][i] for i in fragment]
-            mine = [workers[w].params[i] for i in fragment]
-            local[w] = weighted(worker_delta(base, mine), weights.get(w, 1.0))
+        local, rows = _deltas(trainer, fragment, workers, out, reports, bases, weights)
         self._count(trainer, fragment)
+        reported = reports is not None
 
         def divisor(gathered: Gathered) -> float:
             total = healthy_weight(gathered.reports, weights) if healthy is None else healthy
             return total or len(trainer.worker_ids)  # nobody healthy: the zeros stay zeros
 
         if self.codec is None:
-            return self.comm.sum_with_reports(local, reports, trainer.worker_ids).then(
-                lambda done: _averaged(done.wait(), divisor(done.wait()))
-            )
+
+            def averaged(done: Future) -> Exchanged:
+                gathered: Gathered = done.wait()
+                assert gathered.total is not None
+                return _exchanged([t.div_(divisor(gathered)) for t in gathered.total], gathered.reports, reported)
+
+            return self.comm.sum_with_reports(local, rows, trainer.worker_ids).then(averaged)
         key = f"{trainer.trainer_id}/{index}"
         payloads = {w: self._encode(key, w, delta, w in out) for w, delta in local.items()}
         like = next(iter(local.values()))
@@ -117,9 +162,9 @@ class DeltaExchange:
             assert gathered.rows is not None and self.codec is not None
             encoded = [Encoded(codes=c, scales=s if s.numel() else None, numel=numel) for c, s in gathered.rows]
             flat = decode_and_average(encoded, self.codec, divisor=divisor(gathered))
-            return Exchanged(mean=unflatten(flat, like), reports=gathered.reports)
+            return _exchanged(unflatten(flat, like), gathered.reports, reported)
 
-        return self.comm.gather_with_reports(payloads, reports, trainer.worker_ids).then(decode)
+        return self.comm.gather_with_reports(payloads, rows, trainer.worker_ids).then(decode)
 
     def _encode(self, key: str, worker_id: int, delta: list[torch.Tensor], out: bool) -> list[torch.Tensor]:
         assert self.codec is not None

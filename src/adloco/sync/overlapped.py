@@ -75,7 +75,7 @@ class OverlappedSync(DeltaStrategy):
         for trainer in self.taking_part():
             self.gather_reports(state, trainer)
             key = trainer.trainer_id
-            arrived = self.comm.wait(self.pending.pop(key)) if key in self.pending else None
+            arrived = self.applied(trainer, self.comm.wait(self.pending.pop(key))) if key in self.pending else None
             fresh: dict[int, list[torch.Tensor]] = {}
             if not self.mark_skipped(state, trainer):
                 fresh = self._send(state, trainer)
@@ -91,7 +91,7 @@ class OverlappedSync(DeltaStrategy):
         future = self.exchange.start(
             trainer, 0, self.workers, state.out, healthy=healthy, bases=bases, weights=state.weights
         )
-        self.pending[trainer.trainer_id] = future.then(lambda done: done.wait().mean)
+        self.pending[trainer.trainer_id] = future
         return {
             w: [d.div_(healthy) for d in weighted(worker_delta(self.eager[w].theta, self.workers[w].params), weight[w])]
             for w in hosted
@@ -114,8 +114,9 @@ class OverlappedSync(DeltaStrategy):
 
     def flush(self) -> None:
         for key in sorted(self.pending):
-            self.trainers[key].outer_step(0, self.comm.wait(self.pending.pop(key)))
-            self.trainers[key].broadcast(self.workers)
+            trainer = self.trainers[key]
+            trainer.outer_step(0, self.applied(trainer, self.comm.wait(self.pending.pop(key))))
+            trainer.broadcast(self.workers)
 
     def worker_state(self, worker_id: int) -> dict:
         copy = self.eager.get(worker_id)
@@ -129,7 +130,7 @@ class OverlappedSync(DeltaStrategy):
             self.workers[worker_id].load_params(copy.theta)  # it starts the next round from its own copy
 
     def state_dict(self) -> dict:
-        return {f"{k}/0": {"due": 0, "delta": future.wait()} for k, future in self.pending.items()}
+        return {f"{k}/0": {"due": 0, "delta": future.wait().mean} for k, future in self.pending.items()}
 
     def load_state_dict(self, pending: dict) -> None:
         self.pending = {int(key.split("/")[0]): completed(list(item["delta"])) for key, item in pending.items()}

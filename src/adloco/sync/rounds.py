@@ -110,6 +110,7 @@ class RoundState:
     steps: int
     first_step: int
     statistics_due: bool
+    sync_every: int = 0  # the round's H (steps may be fewer in a last round cut short); 0: the strategy's own
     local: dict[int, WorkerRound] = field(default_factory=dict)
     reports: dict[int, WorkerRound] = field(default_factory=dict)
     skipped: set[int] = field(default_factory=set)

@@ -1,6 +1,7 @@
 """Streaming DiLoCo (arXiv 2501.18512): P parameter fragments, each synced once per round at its own offset.
 
-Fragment p sends its Δ_p at inner steps t_p, t_p + H, … (t_p = p·H/P) and applies it τ steps later:
+Fragment p sends its Δ_p at inner step t_p of every round (t_p = p·H/P, fragment 0 at the round's end) and
+applies it τ steps later:
 θ̃_p = OuterOpt_p(θ_p, Δ_p), then every worker's fragment becomes α·local + (1 − α)·θ̃_p. Peak traffic is one
 fragment instead of the whole model, and the exchange overlaps τ inner steps. The round boundary gathers the
 workers' reports only (who was healthy, their losses and statistics); each fragment exchange carries the
@@ -15,9 +16,10 @@ import torch
 from torch.futures import Future
 
 from adloco.algorithms.fragments import mix
-from adloco.algorithms.schedules import fragments_receiving_at, fragments_sending_at
+from adloco.algorithms.schedules import fragments_sending_at
 from adloco.config import StreamingConfig
 from adloco.sync.base import DeltaStrategy, completed
+from adloco.sync.exchange import Exchanged
 from adloco.sync.rounds import RoundState
 from adloco.trainer import Trainer
 
@@ -34,24 +36,26 @@ class StreamingSync(DeltaStrategy):
         self.pending: dict[tuple[int, int], tuple[int, Future]] = {}
 
     def after_inner_step(self, state: RoundState, step: int) -> None:
-        """Global inner step t (1-based): start the fragments due to send, apply those sent τ steps ago."""
+        """Inner step ``step`` of the round: start the fragments due to send, apply those sent τ steps ago."""
         stream = self.stream
         assert stream.fragments is not None and stream.overlap is not None and stream.alpha is not None
-        t = state.first_step + step + 1
+        t = state.first_step + step + 1  # the global inner step (1-based) at which exchanges are due
+        sync_every = state.sync_every or self.sync_every  # the round's H: sync_every=auto moves it between rounds
         for trainer in self.taking_part():
             flags = {w: torch.tensor([float(state.local[w].out)], dtype=torch.float64) for w in self.hosted(trainer)}
-            for p in fragments_sending_at(t, self.sync_every, stream.fragments):
+            for p in fragments_sending_at(step + 1, sync_every, stream.fragments):
                 future = self.exchange.start(trainer, p, self.workers, state.out, reports=flags, weights=state.weights)
-                self.pending[(trainer.trainer_id, p)] = (t + stream.overlap, future.then(lambda f: f.wait().mean))
+                self.pending[(trainer.trainer_id, p)] = (t + stream.overlap, future)
         for trainer in self.taking_part():
-            for p in fragments_receiving_at(t, self.sync_every, stream.fragments, stream.overlap):
-                _, future = self.pending.pop((trainer.trainer_id, p))
+            key = trainer.trainer_id
+            for p in sorted(p for (k, p), (due, _) in self.pending.items() if k == key and due == t):
+                _, future = self.pending.pop((key, p))
                 self._apply(trainer, p, self.comm.wait(future), stream.alpha)
 
     @torch.no_grad()
-    def _apply(self, trainer: Trainer, index: int, delta: list[torch.Tensor], alpha: float) -> None:
+    def _apply(self, trainer: Trainer, index: int, exchanged: Exchanged, alpha: float) -> None:
         """θ_p ← OuterOpt_p(θ_p, Δ_p); hosted workers' fragment ← α·local + (1 − α)·θ_p."""
-        trainer.outer_step(index, delta)
+        trainer.outer_step(index, self.applied(trainer, exchanged))
         for worker_id in self.hosted(trainer):
             params = self.workers[worker_id].params
             for i in trainer.fragments[index]:
@@ -74,7 +78,7 @@ class StreamingSync(DeltaStrategy):
             self._apply(self.trainers[key[0]], key[1], self.comm.wait(future), alpha)
 
     def state_dict(self) -> dict:
-        return {f"{k}/{p}": {"due": due, "delta": future.wait()} for (k, p), (due, future) in self.pending.items()}
+        return {f"{k}/{p}": {"due": due, "delta": future.wait().mean} for (k, p), (due, future) in self.pending.items()}
 
     def load_state_dict(self, pending: dict) -> None:
         self.pending = {}

@@ -1,0 +1,65 @@
+"""How long a user's loop's rounds are: H fixed, or chosen at each round's end (``sync_every="auto"``) from the
+loop's own timings and the workers' dispersion, which every rank learns from the round's reports."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from adloco.algorithms.sync_every import SyncDecision, dispersion
+from adloco.batch.rounds import auto_sync_every, next_sync_every
+from adloco.config import TrainConfig
+from adloco.sync import RoundState, SyncStrategy, WorkerRound
+from adloco.trainer import Trainer
+
+
+class LoopRounds:
+    """The rounds of a loop: their count, the H of the one in progress and the timings that choose the next."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.fixed = config.first_sync_every
+        self.auto = auto_sync_every(config)  # None: H stays fixed
+        self.count = 0  # rounds ended since the start
+        self.last: SyncDecision | None = None  # the last round's H decision (or figures, for a fixed H)
+        self.started = time.perf_counter()
+        self.exchange_seconds = math.nan  # the last round boundary's wall time: its exposed exchange
+
+    @property
+    def length(self) -> int:
+        """H of the round in progress."""
+        return self.fixed if self.auto is None else self.auto.sync_every
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+
+    def stamp(self, record: WorkerRound, steps: int) -> None:
+        """The round's wall time per step (everything the loop does between exchanges) and the last boundary's
+        exchange time into this worker's report; a batch policy's own step timings stand."""
+        if math.isnan(record.step_seconds):
+            record.step_seconds = (time.perf_counter() - self.started) / max(steps, 1)
+        if math.isnan(record.overhead_seconds) or self.auto is not None:
+            record.overhead_seconds = self.exchange_seconds
+
+    def exchange(self, sync: SyncStrategy, state: RoundState, trainer: Trainer) -> None:
+        """The round boundary's exchanges, timed, and the dispersion of ``trainer``'s workers in them."""
+        boundary = time.perf_counter()
+        sync.end_of_round(state)
+        self.exchange_seconds = time.perf_counter() - boundary
+        drift = sync.take_drift(trainer.trainer_id)
+        trainer.dispersion = dispersion(drift.worker_sq, drift.mean_sq, state.weights)
+
+    def end(self, state: RoundState, trainers: Iterable[Trainer]) -> None:
+        """Once every trainer's reports and dispersion reached every rank: the next round's H."""
+        ranks = {w: w for w in state.reports}  # one worker per rank
+        self.last = next_sync_every(self.auto, self.length, state, ranks, trainers)
+        self.count += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rounds": self.count, "sync_every": None if self.auto is None else self.auto.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], inner_step: int) -> None:
+        self.count = int(state.get("rounds", inner_step // self.fixed))  # a state saved before H could change
+        if self.auto is not None:
+            self.auto.load_state_dict(state["sync_every"])

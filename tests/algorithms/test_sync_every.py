@@ -1,0 +1,105 @@
+"""sync_every=auto's rule: the square-root H*, its bounds and pace, the lr phase and the dispersion guard."""
+
+import math
+
+import pytest
+
+from adloco.algorithms.sync_every import (
+    AutoSyncEvery,
+    best_sync_every,
+    dispersion,
+    drift_scale,
+    seconds_per_step,
+)
+
+
+def _rule(**changes):
+    settings = dict(low=5, high=200, start=10, drift_steps=1000.0)
+    return AutoSyncEvery(**{**settings, **changes})
+
+
+def test_the_square_root_rule_minimises_the_stated_cost():
+    t, c, drift = 0.04, 0.6, 1000.0
+    best = best_sync_every(t, c, drift)
+    assert best == pytest.approx(math.sqrt(1000 * 0.6 / 0.04))  # 122.5
+    costs = {h: seconds_per_step(t, c, h, drift) for h in range(1, 400)}
+    assert min(costs, key=costs.get) in (math.floor(best), math.ceil(best))
+    assert best_sync_every(0.04, 0.0, drift) == 0.0  # a free exchange: sync every step
+    assert best_sync_every(0.0, 0.6, drift) == math.inf  # no compute measured
+
+
+def test_the_drift_scale_grows_as_the_lr_decays_and_is_capped():
+    assert drift_scale(1000.0, 1.0) == 1000.0
+    assert drift_scale(1000.0, 0.25) == 4000.0
+    assert drift_scale(1000.0, 0.0) == drift_scale(1000.0, 0.05) == 20000.0
+    assert drift_scale(1000.0, 3.0) == 1000.0  # above the peak (never, but bounded)
+
+
+def test_dispersion_is_the_outer_norm_test():
+    # Two workers with Δ = (1, 0) and (0, 1): mean (0.5, 0.5), ‖Δ̄‖² = 0.5, mean ‖Δ_i‖² = 1 -> δ = (2 - 1) / 1
+    assert dispersion({0: 1.0, 1: 1.0}, 0.5) == pytest.approx(1.0)
+    # identical workers: δ = 0; opposite ones: the mean is tiny and δ huge
+    assert dispersion({0: 4.0, 1: 4.0, 2: 4.0}, 4.0) == 0.0
+    assert dispersion({0: 1.0, 1: 1.0}, 1e-6) > 1e5
+    # weights: worker 1 counts three times
+    assert dispersion({0: 1.0, 1: 5.0}, 2.0, {0: 0.5, 1: 1.5}) == pytest.approx((4.0 / 2.0 - 1.0) / 1)
+    assert math.isnan(dispersion({0: 1.0}, 1.0)) and math.isnan(dispersion({0: 1.0, 1: 1.0}, 0.0))
+
+
+def test_h_waits_for_a_measurement_then_moves_at_most_twofold_per_round():
+    rule = _rule()
+    first = rule.decide(1.0)
+    assert (first.sync_every, first.reason) == (10, "measuring")
+    rule.observe(0.04, math.nan)  # the first round has no overhead of a previous one
+    assert rule.decide(1.0).reason == "measuring"
+    seen = []
+    for _ in range(6):
+        rule.observe(0.04, 0.6)
+        seen.append(rule.decide(1.0))
+    assert [d.sync_every for d in seen] == [20, 40, 80, 122, 122, 122]
+    assert [d.reason for d in seen] == ["grow", "grow", "grow", "grow", "hold", "hold"]
+    assert seen[-1].exposed_fraction == pytest.approx(0.6 / (0.6 + 122 * 0.04))
+
+
+def test_bounds_multiples_and_the_reasons_at_the_bounds():
+    rule = _rule(low=4, high=40, start=12, multiple=4)
+    for _ in range(4):
+        rule.observe(0.04, 10.0)  # H* = 500: held at the top
+        decision = rule.decide(1.0)
+    assert decision.sync_every == 40 and decision.reason == "max"
+    for _ in range(30):  # the running mean of c forgets the slow link by halves
+        rule.observe(0.04, 0.0001)  # H* = 0.5: held at the bottom
+        decision = rule.decide(1.0)
+    assert decision.sync_every == 4 and decision.reason == "min"
+    rule.observe(0.04, 0.5)
+    assert rule.decide(1.0).sync_every % 4 == 0
+    with pytest.raises(ValueError):
+        AutoSyncEvery(low=5, high=40, start=12, drift_steps=1000.0, multiple=4)
+
+
+def test_workers_that_went_apart_halve_h_whatever_the_costs_say():
+    rule = _rule(start=80)
+    rule.observe(0.04, 10.0)
+    apart = rule.decide(1.0, spread=1.5)
+    assert (apart.sync_every, apart.reason, apart.dispersion) == (40, "dispersion", 1.5)
+    assert rule.decide(1.0, spread=0.3).reason != "dispersion"
+
+
+def test_a_decaying_lr_lengthens_the_rounds():
+    early, late = _rule(start=100), _rule(start=100)
+    for rule in (early, late):
+        rule.observe(0.04, 0.4)
+    assert early.decide(1.0).target == pytest.approx(100.0)
+    assert late.decide(0.25).target == pytest.approx(200.0)
+
+
+def test_the_state_round_trips_and_the_planner_follows_the_step_time():
+    rule = _rule()
+    rule.observe(0.05, 0.2)
+    rule.decide(1.0)
+    copy = _rule()
+    copy.load_state_dict(rule.state_dict())
+    assert copy.state_dict() == rule.state_dict()
+    plan = rule.planner(round_seconds=99.0)  # its own measurement wins over the given overhead
+    assert plan(0.05) == pytest.approx(seconds_per_step(0.05, 0.2, rule.length_for(0.05, 0.2), 1000.0))
+    assert rule.length_for(0.01, 0.2) > rule.length_for(0.1, 0.2)  # a faster step: longer rounds

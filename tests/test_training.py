@@ -30,14 +30,15 @@ def test_bytes_counted_from_reduced_tensors(fast_overrides):
     diloco_rounds = [r for r in read_metrics(diloco.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     ddp_rounds = [r for r in read_metrics(ddp.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     # 2 workers each send one fp32 pseudo-gradient per round with their round report in the same collective
-    # (float64: out flag, b_max, stop signal, checkpoint request, step and overhead seconds, 5 statistics, then
-    # loss, tokens and health of each step, then ‖Δ‖²) and, once at start-up, every worker's b_max (one float64)
-    report_bytes = 2 * 8 * (11 + 3 * diloco_rounds[0]["steps"] + 1)
+    # (float64: out flag, b_max, stop signal, checkpoint request, step, overhead and between-round seconds,
+    # 5 statistics, then loss, tokens and health of each step, then ‖Δ‖²) and, once at start-up, every worker's
+    # b_max (one float64)
+    report_bytes = 2 * 8 * (12 + 3 * diloco_rounds[0]["steps"] + 1)
     assert diloco_rounds[0]["bytes"] == 2 * 4 * params + report_bytes + 2 * 8
     assert [r["exchanges"] for r in diloco_rounds] == [2] + [1] * (len(diloco_rounds) - 1)  # + the handshake
     # DDP sends a full gradient from every worker at every step, each with a one-step report, and no Δ
     assert ddp_rounds[0]["steps"] == diloco_rounds[0]["steps"]
-    assert ddp_rounds[0]["bytes"] == ddp_rounds[0]["steps"] * (2 * 4 * params + 2 * 8 * (11 + 3)) + 2 * 8
+    assert ddp_rounds[0]["bytes"] == ddp_rounds[0]["steps"] * (2 * 4 * params + 2 * 8 * (12 + 3)) + 2 * 8
     assert [r["exchanges"] for r in ddp_rounds][1:] == [r["steps"] for r in ddp_rounds][1:]
 
 

@@ -137,6 +137,8 @@ class Cluster:
         self.batches = RoundBatches(config.batch, self.trainers, self.b_max, self.costs, shape,
                                     self.collect_statistics, auto_sync_every(config))  # fmt: skip
         self.overhead_seconds = math.nan  # this rank's last round: wall time not spent computing steps
+        # and its time between rounds before that one (evaluation, records: a peer waits for it at the exchange)
+        self.between_seconds, self.ended = math.nan, math.nan
         self.retired_streams: dict[int, dict] = {}  # elastic: streams of workers a resize retired, by worker id
         self.resized: tuple[int, int] | None = None  # elastic: (workers in the checkpoint, workers now)
 
@@ -254,6 +256,7 @@ class Cluster:
         ``ask`` says what this rank wants of the boundary; it is read before each report leaves the rank.
         ``tokens_left`` (the budget after this round) bounds how far a time-aware controller grows b."""
         started = time.perf_counter()
+        between = started - self.ended  # NaN in a process's first round
         ask = self._asked_by_every_shard(ask)
         state = RoundState(round_index, steps, first_step, self.batches.statistics_due(round_index),
                            self.inner_steps_per_round())  # fmt: skip
@@ -277,9 +280,11 @@ class Cluster:
                 on_step(StepProgress(step=step, lr=lr, loss=_local_loss(state, step), tokens=planned_tokens))
         state.stamp(ask())
         self._time_alike_on_every_shard(state)
-        state.stamp_seconds(self.overhead_seconds)
+        state.stamp_seconds(self.overhead_seconds, self.between_seconds)
         sync = self._boundary(state, round_samples, tokens_left)
-        self.overhead_seconds = max(0.0, time.perf_counter() - started - sum(state.compute_seconds.values()))
+        self.ended = time.perf_counter()
+        self.overhead_seconds = max(0.0, self.ended - started - sum(state.compute_seconds.values()))
+        self.between_seconds = between  # reported with this round's overhead, in the next round
         report = self._report(state)
         report.sync = sync.to_dict()
         return report
@@ -292,7 +297,7 @@ class Cluster:
             self.workers[worker_id].reset_optimizer()  # restarts from θ with fresh AdamW moments
         for trainer in self.sync.taking_part():
             trainer.dispersion = dispersion(*self._drift_of_every_shard(trainer), state.weights)
-        self.batches.lr_ratio = self._lr_ratio(state.first_step + state.steps, tokens_left)
+        self.batches.lr_ratio = lr_ratio(self.config, state.first_step + state.steps, tokens_left)
         self.batches.decide(state, self.sync.taking_part(), self._cross_worker_statistics, tokens_left)
         self.synchronize(state)
         if self.costs is not None:  # after synchronize every rank holds every report: the same costs everywhere
@@ -311,14 +316,6 @@ class Cluster:
         ).tolist()
         return dict(zip(ids, summed[1:], strict=True)), summed[0]
 
-    def _lr_ratio(self, next_step: int, tokens_left: int | None) -> float:
-        """The inner lr at the next round's start over its peak; 1.0 during the warm-up."""
-        inner = self.config.inner
-        if next_step < inner.warmup_steps:
-            return 1.0
-        done = 0.0 if tokens_left is None else 1.0 - tokens_left / self.config.total_tokens
-        return inner_lr(next_step, done, inner.lr, inner.min_lr, inner.warmup_steps) / inner.lr
-
     # A sharded worker's ranks are in different shard groups, each with its own round exchange: whatever a rank
     # measures by itself (signals, clocks) is made the same on all shards first, or the groups would decide apart.
     def _asked_by_every_shard(self, ask: Callable[[], BoundaryRequest]) -> Callable[[], BoundaryRequest]:
@@ -333,16 +330,15 @@ class Cluster:
         return agreed
 
     def _time_alike_on_every_shard(self, state: RoundState) -> None:
-        """Each hosted worker's compute seconds and this rank's overhead: their means over the shards."""
+        """Each hosted worker's compute seconds and this rank's overhead and time between rounds: their means over
+        the shards."""
         if self.comm.shards == 1:
             return
         hosted = sorted(self.workers)
-        seconds = torch.tensor(
-            [state.compute_seconds[w] for w in hosted] + [self.overhead_seconds], dtype=torch.float64
-        )
-        mean = self.comm.sum_over_shards(seconds) / self.comm.shards
-        state.compute_seconds.update(zip(hosted, mean[:-1].tolist(), strict=True))
-        self.overhead_seconds = float(mean[-1])
+        mine = [state.compute_seconds[w] for w in hosted] + [self.overhead_seconds, self.between_seconds]
+        mean = self.comm.sum_over_shards(torch.tensor(mine, dtype=torch.float64)) / self.comm.shards
+        state.compute_seconds.update(zip(hosted, mean[:-2].tolist(), strict=True))
+        self.overhead_seconds, self.between_seconds = float(mean[-2]), float(mean[-1])
 
     def _report(self, state: RoundState) -> RoundReport:
         """The round in numbers, from every worker's report (so every rank writes the same)."""
@@ -397,6 +393,15 @@ class Cluster:
 
     def load_state_dict(self, state: dict) -> None:
         cluster_state.load_state_dict(self, state)
+
+
+def lr_ratio(config: TrainConfig, next_step: int, tokens_left: int | None) -> float:
+    """The inner lr at the next round's start over its peak; 1.0 during the warm-up."""
+    inner = config.inner
+    if next_step < inner.warmup_steps:
+        return 1.0
+    done = 0.0 if tokens_left is None else 1.0 - tokens_left / config.total_tokens
+    return inner_lr(next_step, done, inner.lr, inner.min_lr, inner.warmup_steps) / inner.lr
 
 
 def shard_view(comm: Communicator, shards: int) -> Communicator:

@@ -103,3 +103,18 @@ def test_the_state_round_trips_and_the_planner_follows_the_step_time():
     plan = rule.planner(round_seconds=99.0)  # its own measurement wins over the given overhead
     assert plan(0.05) == pytest.approx(seconds_per_step(0.05, 0.2, rule.length_for(0.05, 0.2), 1000.0))
     assert rule.length_for(0.01, 0.2) > rule.length_for(0.1, 0.2)  # a faster step: longer rounds
+
+
+def test_a_peers_time_between_rounds_is_not_taken_for_the_exchange():
+    from adloco.batch.rounds import exchange_time
+    from adloco.sync import WorkerRound
+
+    # rank 0 evaluated for 2 s before the round; rank 1 spent those 2 s waiting at the exchange
+    waiting = [
+        WorkerRound(overhead_seconds=0.1, between_seconds=2.0),
+        WorkerRound(overhead_seconds=2.1, between_seconds=0.01),
+    ]
+    assert exchange_time(waiting) == pytest.approx(0.1)
+    # never below what the rank that did not wait measured; nothing measured yet: NaN
+    assert exchange_time([WorkerRound(overhead_seconds=0.5, between_seconds=3.0)]) == 0.5
+    assert math.isnan(exchange_time([WorkerRound()]))

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from adloco.algorithms.batch_tests import GradientStatistics
     from adloco.config import BatchConfig, TrainConfig
     from adloco.pace import CostModel, Pace
-    from adloco.sync import RoundState
+    from adloco.sync import RoundState, WorkerRound
     from adloco.trainer import Trainer
 
 
@@ -134,6 +134,17 @@ class RoundBatches:
         return max(per_rank.values()), costs.pinned_round
 
 
+def exchange_time(reports: Iterable[WorkerRound]) -> float:
+    """The round's exposed exchange seconds: the largest rank overhead less the longest time a rank spent between
+    rounds before it (evaluation, records, checkpoints), which its peers spent waiting at the exchange."""
+    reports = list(reports)
+    overheads = [r.overhead_seconds for r in reports if math.isfinite(r.overhead_seconds)]
+    if not overheads:
+        return math.nan
+    between = max((r.between_seconds for r in reports if math.isfinite(r.between_seconds)), default=0.0)
+    return max(min(overheads), max(overheads) - between)
+
+
 def next_sync_every(
     auto: AutoSyncEvery | None,
     current: int,
@@ -152,8 +163,7 @@ def next_sync_every(
         if math.isfinite(report.step_seconds):
             per_rank[worker_rank[w]] = per_rank.get(worker_rank[w], 0.0) + report.step_seconds
     step_seconds = max(per_rank.values(), default=math.nan)
-    overheads = [r.overhead_seconds for r in state.reports.values() if math.isfinite(r.overhead_seconds)]
-    exchange_seconds = max(overheads, default=math.nan)
+    exchange_seconds = exchange_time(state.reports.values())
     if pinned is not None:
         step_seconds, exchange_seconds = pinned
     spread = max((t.dispersion for t in trainers if math.isfinite(t.dispersion)), default=math.nan)

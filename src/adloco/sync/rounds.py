@@ -11,7 +11,8 @@ import torch
 from adloco.algorithms.batch_tests import GradientStatistics
 
 _STAT_FIELDS = ("samples", "grad_norm_sq", "sample_variance", "ip_variance", "orth_variance")
-_FLAGS = 6  # out, b_max, stop signal, checkpoint asked, seconds per step, the rank's previous round overhead
+_FLAGS = 7  # out, b_max, stop signal, checkpoint asked, seconds per step, the rank's previous round overhead and
+# its time between rounds before it
 _HEAD = _FLAGS + len(_STAT_FIELDS)
 _PER_STEP = 3  # loss, tokens, finite
 
@@ -50,6 +51,7 @@ class WorkerRound:
     request: BoundaryRequest = BoundaryRequest()
     step_seconds: float = math.nan  # this worker's mean compute time per inner step in the round
     overhead_seconds: float = math.nan  # its rank's previous round: wall time not spent computing steps
+    between_seconds: float = math.nan  # its rank's time between rounds (evaluation, records) before that round
 
     @property
     def failed(self) -> bool:
@@ -59,7 +61,7 @@ class WorkerRound:
         """A flat float64 vector (exact for every field) that rides in the round's exchange."""
         stats = self.statistics
         head = [float(self.out), float(self.b_max), float(self.request.stop_signal), float(self.request.checkpoint)]
-        head += [self.step_seconds, self.overhead_seconds]
+        head += [self.step_seconds, self.overhead_seconds, self.between_seconds]
         head += [
             math.nan if stats is None or getattr(stats, f) is None else float(getattr(stats, f)) for f in _STAT_FIELDS
         ]
@@ -90,6 +92,7 @@ class WorkerRound:
             request=request,
             step_seconds=values[4],
             overhead_seconds=values[5],
+            between_seconds=values[6],
         )
 
     def merge_step(self, step: WorkerRound) -> None:
@@ -99,6 +102,7 @@ class WorkerRound:
         self.b_max = step.b_max
         self.request = joined([self.request, step.request])
         self.step_seconds, self.overhead_seconds = step.step_seconds, step.overhead_seconds
+        self.between_seconds = step.between_seconds
 
 
 @dataclass
@@ -128,11 +132,13 @@ class RoundState:
         for record in self.local.values():
             record.request = joined([record.request, request])
 
-    def stamp_seconds(self, overhead_seconds: float) -> None:
-        """Put the round's measured seconds per step and the rank's last overhead on the hosted reports."""
+    def stamp_seconds(self, overhead_seconds: float, between_seconds: float = math.nan) -> None:
+        """Put the round's measured seconds per step, the rank's last overhead and its time between rounds before
+        that on the hosted reports."""
         for worker_id, record in self.local.items():
             record.step_seconds = self.compute_seconds[worker_id] / max(self.steps, 1)
             record.overhead_seconds = overhead_seconds
+            record.between_seconds = between_seconds
 
     def boundary_request(self) -> BoundaryRequest:
         """What the ranks asked of this boundary, from every worker's report: the same on every rank."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from adloco.algorithms.controller import StepCost, fit_step_cost
 from adloco.algorithms.shares import balanced_cost
-from adloco.sync.rounds import WorkerRound
+from adloco.sync.rounds import WorkerRound, exchange_time
 
 if TYPE_CHECKING:
     from adloco.config import BatchConfig
@@ -82,9 +82,9 @@ class CostModel:
                 if math.isfinite(report.step_seconds) and report.step_seconds > 0 and predicted > 0:
                     ratio = report.step_seconds / predicted
                     self.factor[w] = (1 - FOLLOW) * self.factor[w] + FOLLOW * ratio
-        overheads = [r.overhead_seconds for r in reports.values() if math.isfinite(r.overhead_seconds)]
-        if self.pinned_round is None and overheads:
-            self.round_seconds = (1 - FOLLOW) * self.round_seconds + FOLLOW * max(overheads)
+        exchange = exchange_time(reports.values())
+        if self.pinned_round is None and math.isfinite(exchange):
+            self.round_seconds = (1 - FOLLOW) * self.round_seconds + FOLLOW * exchange
 
     def include(self, base: Mapping[int, StepCost]) -> None:
         """Workers the model has not met yet (another trainer's, whose reports a rank learns after the round)."""

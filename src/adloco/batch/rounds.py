@@ -13,12 +13,13 @@ from adloco.algorithms.shares import balanced_split, sample_weights
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
 from adloco.algorithms.sync_every import AutoSyncEvery, SyncDecision
 from adloco.batch.policy import pace_for
+from adloco.sync.rounds import exchange_time
 
 if TYPE_CHECKING:
     from adloco.algorithms.batch_tests import GradientStatistics
     from adloco.config import BatchConfig, TrainConfig
     from adloco.pace import CostModel, Pace
-    from adloco.sync import RoundState, WorkerRound
+    from adloco.sync import RoundState
     from adloco.trainer import Trainer
 
 
@@ -128,21 +129,18 @@ class RoundBatches:
         costs = self.costs
         if costs is None or costs.follow_steps or costs.pinned_round is None:
             return None
-        per_rank: dict[int, float] = {}
-        for w, samples in self.samples_per_step().items():
-            per_rank[worker_rank[w]] = per_rank.get(worker_rank[w], 0.0) + costs.worker_cost(w).at(samples)
-        return max(per_rank.values()), costs.pinned_round
+        per_worker = {w: costs.worker_cost(w).at(samples) for w, samples in self.samples_per_step().items()}
+        return busiest_rank(per_worker, worker_rank), costs.pinned_round
 
 
-def exchange_time(reports: Iterable[WorkerRound]) -> float:
-    """The round's exposed exchange seconds: the largest rank overhead less the longest time a rank spent between
-    rounds before it (evaluation, records, checkpoints), which its peers spent waiting at the exchange."""
-    reports = list(reports)
-    overheads = [r.overhead_seconds for r in reports if math.isfinite(r.overhead_seconds)]
-    if not overheads:
-        return math.nan
-    between = max((r.between_seconds for r in reports if math.isfinite(r.between_seconds)), default=0.0)
-    return max(min(overheads), max(overheads) - between)
+def busiest_rank(seconds: Mapping[int, float], worker_rank: Mapping[int, int]) -> float:
+    """The largest per-rank sum of its hosted workers' seconds (NaN where none is finite): a rank hosting
+    several workers runs their steps one after another."""
+    per_rank: dict[int, float] = {}
+    for w, s in seconds.items():
+        if math.isfinite(s):
+            per_rank[worker_rank[w]] = per_rank.get(worker_rank[w], 0.0) + s
+    return max(per_rank.values(), default=math.nan)
 
 
 def next_sync_every(
@@ -158,11 +156,7 @@ def next_sync_every(
     the busiest rank's compute seconds per step (its hosted workers' summed), the largest exchange overhead
     a rank reported, the largest dispersion. ``pinned``: (t, c) from the config instead of the reports.
     ``auto`` None: H stays ``current``, its figures recorded."""
-    per_rank: dict[int, float] = {}
-    for w, report in state.reports.items():
-        if math.isfinite(report.step_seconds):
-            per_rank[worker_rank[w]] = per_rank.get(worker_rank[w], 0.0) + report.step_seconds
-    step_seconds = max(per_rank.values(), default=math.nan)
+    step_seconds = busiest_rank({w: r.step_seconds for w, r in state.reports.items()}, worker_rank)
     exchange_seconds = exchange_time(state.reports.values())
     if pinned is not None:
         step_seconds, exchange_seconds = pinned

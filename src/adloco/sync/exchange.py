@@ -57,7 +57,8 @@ def weighted(delta: list[torch.Tensor], weight: float) -> list[torch.Tensor]:
 
 
 def squared_norm(tensors: Sequence[torch.Tensor]) -> float:
-    return math.fsum(float(t.detach().double().pow(2).sum()) for t in tensors)
+    """Σ‖t‖² accumulated in float64 without a float64 copy of each tensor."""
+    return math.fsum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2 for t in tensors)
 
 
 def _exchanged(mean: list[torch.Tensor], rows: Mapping[int, torch.Tensor], reported: bool) -> Exchanged:

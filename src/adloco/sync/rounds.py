@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -158,3 +159,14 @@ def joined(requests: list[BoundaryRequest]) -> BoundaryRequest:
         stop_signal=max((r.stop_signal for r in requests), default=0),
         checkpoint=any(r.checkpoint for r in requests),
     )
+
+
+def exchange_time(reports: Iterable[WorkerRound]) -> float:
+    """The round's exposed exchange seconds: the largest rank overhead less the longest time a rank spent between
+    rounds before it (evaluation, records, checkpoints), which its peers spent waiting at the exchange."""
+    reports = list(reports)
+    overheads = [r.overhead_seconds for r in reports if math.isfinite(r.overhead_seconds)]
+    if not overheads:
+        return math.nan
+    between = max((r.between_seconds for r in reports if math.isfinite(r.between_seconds)), default=0.0)
+    return max(min(overheads), max(overheads) - between)

@@ -1,4 +1,4 @@
-"""Models: LLaMA and BERT presets built offline, any Hugging Face config or checkpoint, and the losses."""
+"""Models: LLaMA and BERT presets built offline, any Hugging Face config or checkpoint."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from transformers import BertConfig, LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from adloco.checkpoint import CheckpointError
 from adloco.config import ConfigError
+from adloco.losses import classification_loss, next_token_loss  # noqa: F401 - their home before
 
 Head = Literal["lm", "classification"]
 
@@ -244,24 +244,6 @@ def resolve_model(
         config.label2id = {name: i for i, name in enumerate(labels)}
         config.pad_token_id = pad_token_id
     return ModelSpec(config=config, head=head, context=int(context), checkpoint=checkpoint, label=label)
-
-
-def next_token_loss(model: PreTrainedModel, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``targets`` given ``inputs``.
-
-    The shift is done once, by the data (targets[t] = token t+1); the model is called without labels so
-    that Hugging Face does not shift a second time.
-    """
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
-
-
-def classification_loss(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
-) -> torch.Tensor:
-    """Mean cross-entropy of the labels; padding is masked out of attention."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    return F.cross_entropy(logits.float(), labels)
 
 
 def parameter_count(model: torch.nn.Module) -> int:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from adloco.algorithms.switch import search_max_batch
-from adloco.model import next_token_loss
+from adloco.losses import next_token_loss
 from adloco.precision import autocast_for
 
 if TYPE_CHECKING:

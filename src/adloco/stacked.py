@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from adloco.model import next_token_loss
+from adloco.losses import next_token_loss
 
 _LAYER_PARTS = (
     "self_attn.q_proj",

@@ -19,7 +19,7 @@ from adloco.compilation import compiled
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
 from adloco.inner_optimizer import adamw_groups, inner_optimizer, set_inner_lr
-from adloco.model import next_token_loss
+from adloco.losses import next_token_loss
 from adloco.precision import LossScale, adamw_kernel, autocast_for, until_no_overflow
 from adloco.probe import is_out_of_memory
 

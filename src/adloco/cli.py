@@ -72,7 +72,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--trainer", type=int, default=None, help="trainer to follow (default: the final best)")
     estimate.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_lighthouse(commands)
     return parser
+
+
+def _add_lighthouse(commands) -> None:
+    lighthouse = commands.add_parser(
+        "lighthouse", help="run the torchft Lighthouse that forms fault-tolerant replicas' quorums, until stopped"
+    )
+    lighthouse.add_argument("--host", default="::", help="address to listen on (default :: , every interface)")
+    lighthouse.add_argument("--port", type=int, default=29510, help="port to listen on (default 29510; 0: any free)")
+    lighthouse.add_argument(
+        "--min-replicas", type=int, default=1, help="the fewest replicas a quorum forms with (default 1)"
+    )
+    lighthouse.add_argument(
+        "--join-timeout", type=float, default=2.0, metavar="S",
+        help="grace for a replica of the last quorum that has not asked for the next one yet (default 2 s)",
+    )  # fmt: skip
+    lighthouse.add_argument(
+        "--heartbeat-timeout", type=float, default=5.0, metavar="S",
+        help="a replica silent for this long is taken for dead and not waited for (default 5 s)",
+    )  # fmt: skip
 
 
 def _add_train(commands) -> None:
@@ -146,6 +166,10 @@ def _command(args: argparse.Namespace) -> int:
             return _runs(args)
         if args.command == "estimate":
             return _estimate(args)
+        if args.command == "lighthouse":
+            from adloco.lighthouse import serve
+
+            return serve(args.host, args.port, args.min_replicas, args.join_timeout, args.heartbeat_timeout)
     except (ConfigError, DataError, CheckpointError) as error:
         print(f"adloco: error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
@@ -314,6 +338,11 @@ def _train(args: argparse.Namespace, load_config) -> int:
     if args.print_config:
         print(config.to_yaml(), end="")
         return 0
+    if config.fault_tolerance.lighthouse is not None:
+        raise ConfigError(
+            "fault_tolerance.lighthouse: adloco train does not run fault-tolerant replicas yet; a loop of your own "
+            "does, with DiLoCo(..., fault_tolerance={...}) (docs/fault-tolerance.md)"
+        )
     if args.quiet:
         config.run.progress = False
     from adloco.training import train

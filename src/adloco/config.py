@@ -19,6 +19,7 @@ from adloco.config_sections import (
     CommConfig,
     DataConfig,
     EvalConfig,
+    FaultToleranceConfig,
     InnerConfig,
     MergeConfig,
     ModelConfig,
@@ -38,6 +39,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "FaultToleranceConfig",
     "InnerConfig",
     "MergeConfig",
     "ModelConfig",
@@ -156,6 +158,7 @@ class TrainConfig(BaseModel):
     comm: CommConfig = Field(default_factory=CommConfig)
     streaming: StreamingConfig = Field(default_factory=StreamingConfig)
     sync_auto: SyncAutoConfig = Field(default_factory=SyncAutoConfig)
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     codec: CodecConfig = Field(default_factory=CodecConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
@@ -220,6 +223,7 @@ class TrainConfig(BaseModel):
         self._check_shares()
         self._check_elastic()
         self._check_shards()
+        self._check_fault_tolerance()
         if self.method == "ddp" and self.codec.name != "none":
             raise ValueError("codec.name: ddp exchanges gradients every step; codecs apply to pseudo-gradients")
         if self.batch.b_min > self.batch.b_cap:
@@ -286,6 +290,24 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"batch.step_seconds: {len(batch.step_seconds)} pairs for {self.total_workers} workers; "
                 "give one [a, c] for all or one per worker"
+            )
+
+    def _check_fault_tolerance(self) -> None:
+        ft = self.fault_tolerance
+        if ft.lighthouse is None:
+            return
+        if ft.replica is None or ft.replicas is None:
+            raise ValueError("fault_tolerance: a replica needs its index and the job's size (replica, replicas)")
+        if ft.replica >= ft.replicas:
+            raise ValueError(f"fault_tolerance.replica: {ft.replica} is not below replicas ({ft.replicas})")
+        if ft.min_replicas > ft.replicas:
+            raise ValueError(
+                f"fault_tolerance.min_replicas ({ft.min_replicas}) is larger than replicas ({ft.replicas})"
+            )
+        if self.method not in ("diloco", "localsgd") or self.outer.overlap != "none" or self.trainers != 1:
+            raise ValueError(
+                "fault_tolerance: replicas run DiLoCo or LocalSGD of one trainer without overlap for now "
+                f"(method={self.method}, trainers={self.trainers}, outer.overlap={self.outer.overlap})"
             )
 
     def _check_elastic(self) -> None:

@@ -304,6 +304,38 @@ class SyncAutoConfig(_Section):
     )
 
 
+class FaultToleranceConfig(_Section):
+    """Fault-tolerant replicas on torchft (docs/fault-tolerance.md): a round goes on without a replica that died,
+    and one that starts joins at the next round and heals from a live peer."""
+
+    lighthouse: str | None = Field(
+        None, description="Address of the torchft Lighthouse (http://HOST:PORT, see adloco lighthouse); set: "
+        "this process is one replica of a fault-tolerant job."
+    )  # fmt: skip
+    replica: int | None = Field(None, ge=0, description="This replica's index, its worker id (0 … replicas−1).")
+    replicas: int | None = Field(None, ge=1, description="The most replicas the job runs at once.")
+    min_replicas: int = Field(1, ge=1, description="The fewest replicas a round commits with (else it is dropped).")
+    host: str | None = Field(
+        None, description="Address the peers reach this replica at to heal from it (default: this host's name)."
+    )
+    quorum_timeout_s: float = Field(
+        300.0, gt=0, description="How long a round's start waits for its quorum: a joining replica waits for the "
+        "peers' round to end, so at least one round's time."
+    )  # fmt: skip
+    exchange_timeout_s: float = Field(
+        60.0, gt=0, description="A round's exchange, its commit and a heal's transfer; a replica silent for longer "
+        "is dropped from the round."
+    )  # fmt: skip
+    exchange_retries: int = Field(
+        1, ge=0, description="A failed exchange is retried among the replicas still there this many times before "
+        "the round is dropped."
+    )  # fmt: skip
+    quorum_retries: int = Field(
+        3, ge=0, description="How often a round's start asks the Lighthouse again after losing it (a restarted "
+        "Lighthouse), each after reconnecting for up to exchange_timeout_s."
+    )  # fmt: skip
+
+
 class StreamingConfig(_Section):
     fragments: int | None = Field(
         None, ge=1, description="P: parameter fragments synced in turn (streaming: 2; other methods: 1)."

@@ -62,3 +62,18 @@ def test_a_lightning_fit_resumed_from_a_checkpoint_without_diloco_state_is_refus
     assert plain.global_step == 2
     with pytest.raises(ValueError, match="resuming at step 2 from a checkpoint without DiLoCo's state"):
         fit([DiLoCoCallback(sync_every=2)], 4, ckpt_path=saved)
+
+
+def test_fault_tolerant_replicas_are_refused_by_the_frameworks_for_now(tmp_path):
+    from adloco.integrations.lightning import DiLoCoCallback
+
+    ft = {"lighthouse": "http://127.0.0.1:1", "replica": 0, "replicas": 2}
+    with pytest.raises(ValueError, match="a loop of your own"):
+        DiLoCoCallback(sync_every=4, fault_tolerance=ft)
+    from transformers import Trainer, TrainingArguments
+
+    from adloco.integrations.hf import use_diloco
+
+    trainer = Trainer(model=torch.nn.Linear(2, 1), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))
+    with pytest.raises(ValueError, match="a loop of your own"):
+        use_diloco(trainer, sync_every=4, fault_tolerance=ft)

@@ -8,7 +8,6 @@ optimizer the inner optimizer, and the rounds run through the very sync strategi
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +18,8 @@ from adloco.algorithms.batch_tests import BatchSizeController
 from adloco.algorithms.outer import OuterFactory
 from adloco.algorithms.sharding import local_rows
 from adloco.api.adaptive import AdaptiveBatch
+from adloco.api.loop_state import LoopState
+from adloco.api.replica import Replica
 from adloco.api.rounds import LoopRounds
 from adloco.api.worker import LoopWorker, WorkerShards, finite, worker_shards
 from adloco.batch.policy import TrainerBatch
@@ -39,8 +40,6 @@ from adloco.trainer import Trainer
 from adloco.trainer_sync import MergeEvent, maybe_merge, synchronize
 
 METHODS = ("diloco", "localsgd", "streaming", "ddp", "adloco")
-_STATE_KEY = "adloco_diloco"
-_SETTINGS_BEFORE = {"outer_optimizer": "sgd"}  # states saved before these settings
 
 
 def loop_settings(
@@ -57,7 +56,7 @@ def loop_settings(
     return build_config({**settings, **given})
 
 
-class DiLoCo:
+class DiLoCo(LoopState):
     """DiLoCo (or ``method`` = localsgd, streaming, ddp, adloco) around ``model`` and its inner ``optimizer``.
 
     Use it as a context manager around an unchanged loop (it hooks ``optimizer.step``), or call ``step()`` after
@@ -93,6 +92,7 @@ class DiLoCo:
         trainers: int = 1,
         merge: dict[str, Any] | None = None,
         sync_auto: dict[str, Any] | None = None,
+        fault_tolerance: dict[str, Any] | None = None,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -102,22 +102,17 @@ class DiLoCo:
         if outer_optimizer is not None and (outer or {}).get("optimizer", "sgd") != "sgd":
             raise ValueError("give either outer_optimizer= or outer={'optimizer': ...}, not both")
         self.shards: WorkerShards | None = worker_shards(self.params)  # a worker spanning several ranks (FSDP2)
-        self.comm = _communicator(process_group, local_rows(self.params[0]).device)
-        self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        self.global_rank = _global_rank()
-        if trainers > 1 and (self.shards is not None or process_group is not None):
-            raise ValueError("several trainers take a job of one rank per worker over the default process group")
         sections = {"outer": outer, "streaming": streaming, "codec": codec, "batch": batch, "merge": merge,
-                    "sync_auto": sync_auto}  # fmt: skip
-        self.config = loop_settings(method, sync_every, self.world_size, sections, trainers)
+                    "sync_auto": sync_auto, "fault_tolerance": fault_tolerance}  # fmt: skip
+        self._connect(method, sync_every, sections, trainers, process_group)
         self.rounds = LoopRounds(self.config)  # their count and H (sync_every="auto": chosen at each round's end)
         self.check_finite = check_finite  # off where a loss scaler already keeps overflowing steps out
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.comm.set_placement({w: w for w in range(self.world_size)})
         self.workers = {self.rank: LoopWorker(self.rank, self.params)}
-        _check_same_job(
-            self.comm, self.rank, _fingerprint(self.config, self.workers[self.rank].params, self.shards, check_finite)
-        )
+        if self.replica is None:  # replicas compare their settings when one heals from another
+            fingerprint = _fingerprint(self.config, self.workers[self.rank].params, self.shards, check_finite)
+            _check_same_job(self.comm, self.rank, fingerprint)
         adaptive = self.config.method == "adloco" or batch is not None
         if adaptive and self.shards is not None:
             raise ValueError("the adaptive batch (method='adloco') takes a model on one rank per worker; a "
@@ -132,7 +127,30 @@ class DiLoCo:
         self._state = self._new_round()
         self._hooks: list[Any] = []
         self.last_round: RoundState | None = None  # the round that ended last, with every worker's report
-        self._finished = False
+        self._finished = self._finishing = False
+        if self.replica is not None:
+            self.replica.start_round()
+
+    def _connect(
+        self, method: str, sync_every: int | str, sections: dict[str, Any], trainers: int, process_group: Any
+    ) -> None:
+        """The settings and the exchange's transport: the process group's ranks, or this process as a
+        fault-tolerant replica (torchft) when ``fault_tolerance`` is given."""
+        device = local_rows(self.params[0]).device
+        self.replica: Replica | None = None
+        if sections["fault_tolerance"] is not None:
+            self.config = _replica_settings(method, sync_every, sections, trainers, process_group, self.shards)
+            self.replica = Replica(self.config.fault_tolerance, self._shared_state, self._heal,
+                                   lambda: self.rounds.count, device)  # fmt: skip
+            self.comm: Communicator = self.replica.comm
+        else:
+            self.comm = _communicator(process_group, device)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.global_rank = self.rank if self.replica is not None else _global_rank()
+        if trainers > 1 and (self.shards is not None or process_group is not None):
+            raise ValueError("several trainers take a job of one rank per worker over the default process group")
+        if self.replica is None:
+            self.config = loop_settings(method, sync_every, self.world_size, sections, trainers)
 
     def _start_trainers(self, names: list[str], outer_optimizer: OuterFactory | None, adaptive: bool) -> None:
         """The job's trainers, each from its first worker's parameters and with its exchange group, and the sync
@@ -246,6 +264,10 @@ class DiLoCo:
             self.optimizer.state.clear()  # it restarts from θ (the strategy saw to that); its moments may hold NaN
         self.last_round = state
         self._state = self._new_round()
+        if self.replica is not None:
+            self.replica.end_round()
+            if not self._finishing:
+                self.replica.start_round()
 
     def _across_trainers(self, state: RoundState, steps: int) -> None:
         """Every trainer's state and reports to every rank (several trainers: each rank runs one), the round's
@@ -277,8 +299,11 @@ class DiLoCo:
             return
         if len(self._state.local[self.rank].steps) > self.round_step:  # a last step a loss scaler skipped
             self._after_step()
+        self._finishing = True
         if self.round_step > 0:
             self._end_round()
+        elif self.replica is not None and self.replica.history:
+            self.replica.history.pop()  # the quorum of a round that never came: the loop ended at a boundary
         self.flush()
         if into_model:
             self.workers[self.rank].load_params(self.trainer.theta)
@@ -297,65 +322,6 @@ class DiLoCo:
         """The global parameters θ (the model itself drifts from them within a round)."""
         return self.trainer.theta
 
-    # -- state ---------------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """θ, the outer optimizer state, exchanges in flight, this rank's error feedback (and eager copy) and the
-        round in progress, as one value per rank (a DCP ``Stateful`` keeps each rank's apart)."""
-        state = {
-            "inner_step": self.inner_step,
-            "world_size": self.world_size,
-            "settings": _settings(self.config, self.shards, self.batch is not None),
-            "trainers": {k: trainer.state_dict() for k, trainer in self.trainers.items()},
-            "pending": self.sync.state_dict(),
-            "worker": self.sync.worker_state(self.rank),
-            "round": self._state.local[self.rank].to_tensor(),
-            "batch": None if self.batch is None else self.batch.state_dict(),
-            **self.rounds.state_dict(),
-        }
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        return {self._state_key: buffer.getvalue()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        key = self._state_key
-        if key not in state_dict:
-            raise ValueError(
-                f"this state holds no DiLoCo state of rank {self.global_rank} (keys: {sorted(state_dict)[:4]})"
-            )
-        state = torch.load(io.BytesIO(state_dict[key]), weights_only=True)
-        if state["world_size"] != self.world_size:
-            raise ValueError(f"the state was saved by {state['world_size']} ranks; this job has {self.world_size}")
-        settings = _settings(self.config, self.shards, self.batch is not None)
-        saved_settings = {**_SETTINGS_BEFORE, **state.get("settings", settings)}
-        if saved_settings != settings:
-            raise ValueError(f"the state was saved with other settings ({saved_settings}); now {settings}")
-        saved = {int(k): trainer for k, trainer in state["trainers"].items()}
-        if any(k not in self.trainers for k in saved):
-            raise ValueError("this DiLoCo's trainers merged after the state was saved: load it into a new DiLoCo")
-        for merged in [k for k in self.trainers if k not in saved]:
-            del self.trainers[merged]  # merged into another before the state was saved
-        for k, trainer in saved.items():
-            self.trainers[k].load_state_dict(trainer)
-            self.comm.register_group(self.trainers[k].worker_ids)
-        self.sync.load_state_dict(state["pending"])
-        drifted = [p.clone() for p in self.workers[self.rank].params]  # the model's own state is the user's to load
-        self.sync.load_worker_state(self.rank, state["worker"])
-        self.workers[self.rank].load_params(drifted)
-        self.inner_step = int(state["inner_step"])
-        in_progress = WorkerRound.from_tensor(state["round"])
-        self.rounds.load_state_dict(state, self.inner_step)
-        self._state = self._new_round()
-        self._state.first_step = self.inner_step - len(in_progress.steps)
-        self._state.local[self.rank] = in_progress
-        if self.batch is not None:
-            self.batch.load_state_dict(state["batch"])  # the round's plan and β2 follow the batch it holds
-            self.batch.first_step = self.round_step == 0
-
-    @property
-    def _state_key(self) -> str:
-        """This rank's own key: a DCP checkpoint keeps each rank's state apart (each shard of a worker too)."""
-        return f"{_STATE_KEY}_rank{self.global_rank}"
-
 
 def _fingerprint(
     config: TrainConfig, rows: Sequence[torch.Tensor], shards: WorkerShards | None, check_finite: bool
@@ -371,23 +337,6 @@ def _fingerprint(
     model = tuple((tuple(p.shape), str(p.dtype)) for p in rows)
     shard = (1, 0) if shards is None else (shards.count, shards.index)
     return [float(len(rows)), float(sum(p.numel() for p in rows)), _digest(settings), _digest((model, shard))]
-
-
-def _settings(config: TrainConfig, shards: WorkerShards | None, adaptive: bool) -> dict[str, Any]:
-    """What a saved state only fits: the method, H, the exchange's shape, the trainers and the batch."""
-    return {
-        "method": config.method,
-        "sync_every": config.sync_every,
-        "fragments": config.streaming.fragments,
-        "overlap": config.outer.overlap,
-        "outer_optimizer": config.outer.optimizer,
-        "codec": config.codec.name,
-        "error_feedback": config.codec.error_feedback,
-        "shards": 1 if shards is None else shards.count,
-        "trainers": config.trainers,
-        "merge": (config.merge.policy, config.merge.every, config.merge.group_size),
-        **({"batch": (config.batch.size, config.batch.test, config.batch.controller)} if adaptive else {}),
-    }
 
 
 def _digest(value: Any) -> float:
@@ -427,6 +376,24 @@ def _communicator(process_group: Any, device: torch.device) -> Communicator:
     if process_group is not None and dist.get_rank(process_group) < 0:
         raise ValueError("this rank is not a member of the process_group given to DiLoCo")
     return DistributedCommunicator.on_group(process_group, device=device)
+
+
+def _replica_settings(
+    method: str,
+    sync_every: int | str,
+    sections: dict[str, Any],
+    trainers: int,
+    process_group: Any,
+    shards: WorkerShards | None,
+) -> TrainConfig:
+    """The settings of a fault-tolerant replica: one worker per process, the job's size from the section."""
+    if process_group is not None or shards is not None:
+        raise ValueError("a fault-tolerant replica is one process of one worker: no process_group, no sharded model")
+    if sections["batch"] is not None or trainers != 1:
+        raise ValueError("fault-tolerant replicas run one trainer with the loop's own batch for now (no batch=, "
+                         "no trainers=)")  # fmt: skip
+    replicas = sections["fault_tolerance"].get("replicas")
+    return loop_settings(method, sync_every, replicas if isinstance(replicas, int) and replicas > 0 else 1, sections)
 
 
 def _global_rank() -> int:

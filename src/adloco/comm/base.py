@@ -39,11 +39,13 @@ class CommStats:
 @dataclass
 class Gathered:
     """What an exchange brings back, on every rank of the group: every worker's tensors in worker-id order
-    (``rows``) or their sum in that order (``total``), and every worker's float64 report vector."""
+    (``rows``) or their sum in that order (``total``), and every worker's float64 report vector. ``absent``:
+    workers missing from the exchange (a fault-tolerant transport's dead replicas): zero rows and no report."""
 
     rows: list[list[torch.Tensor]] | None
     total: list[torch.Tensor] | None
     reports: dict[int, torch.Tensor]
+    absent: frozenset[int] = frozenset()
 
 
 def payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -77,6 +79,10 @@ class ExchangeMixin:
     ) -> Future[list[list[torch.Tensor]]]:
         raise NotImplementedError
 
+    def absent_from_last(self) -> frozenset[int]:
+        """Workers missing from the exchange that just completed (a transport whose members come and go)."""
+        return frozenset()
+
     def wait(self, future: Future) -> Any:
         """Block until ``future`` is done, counting the time as waiting for peers."""
         start = time.perf_counter()
@@ -100,10 +106,13 @@ class ExchangeMixin:
 
         def unpack(done: Future) -> Gathered:
             rows = done.wait()
+            absent = self.absent_from_last()
             if reports is None:
-                return Gathered(rows=rows, total=None, reports={})
-            reports_by_worker = {w: unpack_report(row[-1]) for w, row in zip(ordered, rows, strict=True)}
-            return Gathered(rows=[row[:-1] for row in rows], total=None, reports=reports_by_worker)
+                return Gathered(rows=rows, total=None, reports={}, absent=absent)
+            reports_by_worker = {
+                w: unpack_report(row[-1]) for w, row in zip(ordered, rows, strict=True) if w not in absent
+            }
+            return Gathered(rows=[row[:-1] for row in rows], total=None, reports=reports_by_worker, absent=absent)
 
         return self.gather_over_workers(packed, ordered).then(unpack)
 
@@ -118,9 +127,46 @@ class ExchangeMixin:
         def add_up(done: Future) -> Gathered:
             gathered = done.wait()
             assert gathered.rows is not None
-            return Gathered(rows=None, total=sum_in_order(gathered.rows), reports=gathered.reports)
+            return Gathered(None, sum_in_order(gathered.rows), gathered.reports, gathered.absent)
 
         return self.gather_with_reports(contributions, reports, workers).then(add_up)
+
+
+class OneProcessOps:
+    """The collectives that have nothing to do where the only rank of every group is this process (the in-process
+    world, or a fault-tolerant replica of one worker): placement, broadcasts, shards, barriers."""
+
+    def set_placement(self, worker_rank: Mapping[int, int]) -> None:
+        pass
+
+    def register_group(self, workers: Sequence[int]) -> None:
+        pass
+
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int) -> None:
+        pass
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        return [obj]
+
+    def gather_floats(self, values: Sequence[float]) -> Future[list[list[float]]]:
+        done: Future = Future()
+        done.set_result([list(values)])
+        return done
+
+    def sum_over_shards(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def max_over_shards(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def gather_shards(self, tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        return list(tensors)
+
+    def barrier(self) -> None:
+        pass
 
 
 class Communicator(Protocol):

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 from torch.futures import Future
 
-from adloco.comm.base import CommStats, ExchangeMixin, contributed_bytes
+from adloco.comm.base import CommStats, ExchangeMixin, OneProcessOps, contributed_bytes
 
 
-class LocalCommunicator(ExchangeMixin):
+class LocalCommunicator(OneProcessOps, ExchangeMixin):
     """Every worker lives in this process; collectives are ordered lists, counted as if sent.
 
     Bytes and exchanges are what a network with one worker per machine would carry, so in-process runs
@@ -51,41 +50,8 @@ class LocalCommunicator(ExchangeMixin):
         self.stats.exchanges += len(workers) > 1
         return {w: list(contributions[w]) for w in workers}
 
-    # A world of one rank: placement, groups and broadcasts have nothing to do.
-    def set_placement(self, worker_rank: Mapping[int, int]) -> None:
-        pass
-
-    def register_group(self, workers: Sequence[int]) -> None:
-        pass
-
     def ranks_of(self, workers: Sequence[int]) -> list[int]:
         return [0]
-
-    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int) -> None:
-        pass
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    def gather_objects(self, obj: Any) -> list[Any] | None:
-        return [obj]
-
-    def gather_floats(self, values: Sequence[float]) -> Future[list[list[float]]]:
-        done: Future = Future()
-        done.set_result([list(values)])
-        return done
-
-    def sum_over_shards(self, values: torch.Tensor) -> torch.Tensor:
-        return values
-
-    def max_over_shards(self, values: torch.Tensor) -> torch.Tensor:
-        return values
-
-    def gather_shards(self, tensors: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        return list(tensors)
-
-    def barrier(self) -> None:
-        pass
 
     def close(self) -> None:
         pass

@@ -33,6 +33,10 @@ class DiLoCoCallback(TrainerCallback):
     def __init__(self, trainer: Trainer, sync_every: int | str = 10, method: str = "diloco", **settings: Any) -> None:
         if method == "ddp":
             raise ValueError("method='ddp' is what the Trainer does by itself under torchrun; use it without adloco")
+        if settings.get("fault_tolerance") is not None:  # a heal moves the loop's step, which the Trainer keeps itself
+            raise ValueError(
+                "fault_tolerance: replicas run in a loop of your own for now (adloco.DiLoCo), not the Trainer"
+            )
         self.trainer = trainer
         self.settings = {"sync_every": sync_every, "method": method, **settings}
         self.diloco: DiLoCo | None = None

@@ -33,6 +33,12 @@ class DiLoCoCallback(pl.Callback):
     def __init__(self, sync_every: int | str = 10, method: str = "diloco", **settings: Any) -> None:
         if method == "ddp":
             raise ValueError("method='ddp' is Lightning's own DDP strategy; use it without adloco")
+        if (
+            settings.get("fault_tolerance") is not None
+        ):  # a heal moves the loop's step, which the Lightning keeps itself
+            raise ValueError(
+                "fault_tolerance: replicas run in a loop of your own for now (adloco.DiLoCo), not the Lightning"
+            )
         self.settings = {"sync_every": sync_every, "method": method, **settings}
         self.diloco: DiLoCo | None = None
         self._resumed: dict[str, Any] | None = None  # this rank's state from the checkpoint a fit resumes from

@@ -15,6 +15,7 @@ from adloco.algorithms.codecs import Codec, Encoded, ErrorFeedback, decode_and_a
 from adloco.algorithms.flat import flatten, unflatten
 from adloco.algorithms.outer import worker_delta
 from adloco.comm.base import Communicator, Gathered
+from adloco.sync.rounds import absent_report
 from adloco.trainer import Trainer
 from adloco.worker import Worker
 
@@ -61,9 +62,14 @@ def squared_norm(tensors: Sequence[torch.Tensor]) -> float:
     return math.fsum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2 for t in tensors)
 
 
-def _exchanged(mean: list[torch.Tensor], rows: Mapping[int, torch.Tensor], reported: bool) -> Exchanged:
+def _exchanged(mean: list[torch.Tensor], gathered: Gathered, reported: bool, width: int) -> Exchanged:
     """Split each row into the worker's report and its ‖Δ_i‖² (the row's last value). A report's first value says
-    whether the worker was out; without reports (the caller knew who was healthy) a worker that sent zeros was."""
+    whether the worker was out; without reports (the caller knew who was healthy) a worker that sent zeros was.
+    A worker absent from the exchange reads as out (``width``: the rows' length, report and ‖Δ_i‖²)."""
+    rows = dict(gathered.reports)
+    if reported and gathered.absent:
+        absent = torch.cat([absent_report(width - 1), torch.zeros(1, dtype=torch.float64)])
+        rows.update(dict.fromkeys(gathered.absent, absent))
     healthy = {w: float(r[-1]) for w, r in rows.items() if (r[0].item() == 0.0 if reported else r[-1].item() > 0.0)}
     reports = {w: r[:-1] for w, r in rows.items()} if reported else {}
     return Exchanged(mean=mean, reports=reports, drift=Drift(healthy, squared_norm(mean)))
@@ -140,6 +146,7 @@ class DeltaExchange:
         local, rows = _deltas(trainer, fragment, workers, out, reports, bases, weights)
         self._count(trainer, fragment)
         reported = reports is not None
+        width = next(iter(rows.values())).numel() if rows else 0
 
         def divisor(gathered: Gathered) -> float:
             total = healthy_weight(gathered.reports, weights) if healthy is None else healthy
@@ -150,7 +157,7 @@ class DeltaExchange:
             def averaged(done: Future) -> Exchanged:
                 gathered: Gathered = done.wait()
                 assert gathered.total is not None
-                return _exchanged([t.div_(divisor(gathered)) for t in gathered.total], gathered.reports, reported)
+                return _exchanged([t.div_(divisor(gathered)) for t in gathered.total], gathered, reported, width)
 
             return self.comm.sum_with_reports(local, rows, trainer.worker_ids).then(averaged)
         key = f"{trainer.trainer_id}/{index}"
@@ -163,7 +170,7 @@ class DeltaExchange:
             assert gathered.rows is not None and self.codec is not None
             encoded = [Encoded(codes=c, scales=s if s.numel() else None, numel=numel) for c, s in gathered.rows]
             flat = decode_and_average(encoded, self.codec, divisor=divisor(gathered))
-            return _exchanged(unflatten(flat, like), gathered.reports, reported)
+            return _exchanged(unflatten(flat, like), gathered, reported, width)
 
         return self.comm.gather_with_reports(payloads, rows, trainer.worker_ids).then(decode)
 

@@ -152,6 +152,12 @@ class RoundState:
         self.reports.update({w: WorkerRound.from_tensor(t) for w, t in packed.items()})
 
 
+def absent_report(values: int) -> torch.Tensor:
+    """The report of a worker missing from the round (its replica gone), as long as the present workers' (``values``
+    floats): out, every step skipped."""
+    return WorkerRound(steps=[SKIPPED_STEP] * ((values - _HEAD) // _PER_STEP), out=True).to_tensor()
+
+
 def joined(requests: list[BoundaryRequest]) -> BoundaryRequest:
     """Requests taken together: a stop if any rank asks one (the highest signal number names it, so every rank
     names the same), a checkpoint if any rank's time cadence is due."""

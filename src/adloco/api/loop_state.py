@@ -1,0 +1,121 @@
+"""What a user's DiLoCo saves and loads: its state for checkpoints (one value per rank) and for a joining
+replica's heal (a peer's, without that peer's own error feedback)."""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from adloco.sync.rounds import WorkerRound
+
+if TYPE_CHECKING:
+    from adloco.api.worker import WorkerShards
+    from adloco.config import TrainConfig
+
+_STATE_KEY = "adloco_diloco"
+_SETTINGS_BEFORE = {"outer_optimizer": "sgd"}  # states saved before these settings
+
+
+class LoopState:
+    """The state half of ``adloco.DiLoCo`` (θ, outer state, exchanges in flight, counters, the adaptive batch)."""
+
+    # the loop's own attributes, set by DiLoCo
+    config: TrainConfig
+    shards: WorkerShards | None
+    global_rank: int
+    rank: int
+    world_size: int
+
+    def state_dict(self) -> dict[str, Any]:
+        """θ, the outer optimizer state, exchanges in flight, this rank's error feedback (and eager copy) and the
+        round in progress, as one value per rank (a DCP ``Stateful`` keeps each rank's apart)."""
+        return {self._state_key: self._payload(own_worker=True)}
+
+    def _payload(self, own_worker: bool) -> bytes:
+        state = {
+            "inner_step": self.inner_step,
+            "world_size": self.world_size,
+            "settings": _settings(self.config, self.shards, self.batch is not None),
+            "trainers": {k: trainer.state_dict() for k, trainer in self.trainers.items()},
+            "pending": self.sync.state_dict(),
+            "worker": self.sync.worker_state(self.rank) if own_worker else None,
+            "round": self._state.local[self.rank].to_tensor(),
+            "batch": None if self.batch is None else self.batch.state_dict(),
+            **self.rounds.state_dict(),
+        }
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
+
+    def _shared_state(self) -> bytes:
+        """What a joining replica heals from: this state without this worker's own error feedback."""
+        return self._payload(own_worker=False)
+
+    def _heal(self, payload: bytes) -> None:
+        """A peer's state, taken at the round's start: the model restarts from its θ with a fresh inner optimizer."""
+        self._load_payload(payload)
+        self.workers[self.rank].load_params(self.trainer.theta)
+        self.optimizer.state.clear()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        key = self._state_key
+        if key not in state_dict:
+            raise ValueError(
+                f"this state holds no DiLoCo state of rank {self.global_rank} (keys: {sorted(state_dict)[:4]})"
+            )
+        self._load_payload(state_dict[key])
+
+    def _load_payload(self, payload: bytes) -> None:
+        state = torch.load(io.BytesIO(payload), weights_only=True)
+        if state["world_size"] != self.world_size:
+            raise ValueError(f"the state was saved by {state['world_size']} ranks; this job has {self.world_size}")
+        settings = _settings(self.config, self.shards, self.batch is not None)
+        saved_settings = {**_SETTINGS_BEFORE, **state.get("settings", settings)}
+        if saved_settings != settings:
+            raise ValueError(f"the state was saved with other settings ({saved_settings}); now {settings}")
+        saved = {int(k): trainer for k, trainer in state["trainers"].items()}
+        if any(k not in self.trainers for k in saved):
+            raise ValueError("this DiLoCo's trainers merged after the state was saved: load it into a new DiLoCo")
+        for merged in [k for k in self.trainers if k not in saved]:
+            del self.trainers[merged]  # merged into another before the state was saved
+        for k, trainer in saved.items():
+            self.trainers[k].load_state_dict(trainer)
+            self.comm.register_group(self.trainers[k].worker_ids)
+        self.sync.load_state_dict(state["pending"])
+        drifted = [p.clone() for p in self.workers[self.rank].params]  # the model's own state is the user's to load
+        if state["worker"] is not None:  # None: a peer's state a replica healed from (its feedback is its own)
+            self.sync.load_worker_state(self.rank, state["worker"])
+        self.workers[self.rank].load_params(drifted)
+        self.inner_step = int(state["inner_step"])
+        in_progress = WorkerRound.from_tensor(state["round"])
+        self.rounds.load_state_dict(state, self.inner_step)
+        self._state = self._new_round()
+        self._state.first_step = self.inner_step - len(in_progress.steps)
+        self._state.local[self.rank] = in_progress
+        if self.batch is not None:
+            self.batch.load_state_dict(state["batch"])  # the round's plan and β2 follow the batch it holds
+            self.batch.first_step = self.round_step == 0
+
+    @property
+    def _state_key(self) -> str:
+        """This rank's own key: a DCP checkpoint keeps each rank's state apart (each shard of a worker too)."""
+        return f"{_STATE_KEY}_rank{self.global_rank}"
+
+
+def _settings(config: TrainConfig, shards: WorkerShards | None, adaptive: bool) -> dict[str, Any]:
+    """What a saved state only fits: the method, H, the exchange's shape, the trainers and the batch."""
+    return {
+        "method": config.method,
+        "sync_every": config.sync_every,
+        "fragments": config.streaming.fragments,
+        "overlap": config.outer.overlap,
+        "outer_optimizer": config.outer.optimizer,
+        "codec": config.codec.name,
+        "error_feedback": config.codec.error_feedback,
+        "shards": 1 if shards is None else shards.count,
+        "trainers": config.trainers,
+        "merge": (config.merge.policy, config.merge.every, config.merge.group_size),
+        **({"batch": (config.batch.size, config.batch.test, config.batch.controller)} if adaptive else {}),
+    }

@@ -1,0 +1,137 @@
+"""A user's loop as one replica of a fault-tolerant job on torchft.
+
+Each process is a replica (a torchft replica group of one rank) hosting one worker. At the start of every round
+the replica asks torchft's Lighthouse for the round's quorum: the replicas there train the round together and
+exchange over a process group the Manager reconfigures to them, without a restart. A replica that starts (new, or
+again after it died) is held at that call until the running replicas end their round, then heals from one of
+them: θ, the outer optimizer state and the round counters; its inner optimizer starts afresh. A replica that dies
+mid-round is missing from the round's exchange: the exchange fails on the others, who retry it at once among
+themselves (a quorum that may only shrink) and commit the round without it; its slot reads as absent (out).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from adloco.comm.replicas import ReplicaCommunicator
+from adloco.config_sections import FaultToleranceConfig
+
+log = logging.getLogger("adloco")
+
+
+@dataclass
+class RoundFaults:
+    """What one round's quorum and exchange were: who took part, who was missing, whether it committed."""
+
+    round: int
+    participants: int
+    absent: list[int] = field(default_factory=list)
+    committed: bool = True
+    healed: bool = False  # this replica healed from a peer at the round's start
+    quorum_seconds: float = 0.0
+    started: float = 0.0  # wall-clock time (time.time()) the round's quorum formed
+
+
+class Replica:
+    """This process as replica ``settings.replica`` of ``settings.replicas``: its torchft Manager, the transport
+    over the Manager's process group (``comm``), and the heal, through ``save`` and ``load`` of the loop's state."""
+
+    def __init__(
+        self,
+        settings: FaultToleranceConfig,
+        save: Callable[[], Any],
+        load: Callable[[Any], None],
+        current_round: Callable[[], int],
+        device: torch.device,
+    ) -> None:
+        try:
+            from torchft.manager import Manager
+        except ImportError as error:
+            raise ValueError(f"fault_tolerance needs torchft (pip install 'adloco[torchft]'): {error}") from None
+        assert settings.lighthouse is not None and settings.replica is not None and settings.replicas is not None
+        host = settings.host or socket.gethostname()
+        timeout = timedelta(seconds=settings.exchange_timeout_s)
+        # The replica group's own store (one rank); its peers reach it to form the quorum's process group.
+        self.store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._load, self._current_round = load, current_round
+        self.healed = False
+        self.manager = Manager(
+            pg=_process_group(device, timeout),
+            load_state_dict=self._heal,
+            state_dict=save,
+            min_replica_size=settings.min_replicas,
+            use_async_quorum=False,  # a round's quorum (and heal) completes before its first inner step
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=0,
+            world_size=1,
+            store_addr=host,
+            store_port=self.store.port,
+            lighthouse_addr=settings.lighthouse,
+            replica_id=f"adloco_{settings.replica:05d}",  # sorted by id: replica 0 is the first source of θ
+            hostname=host,
+            init_sync=True,  # at the start every replica takes θ from the same one
+            quorum_retries=settings.quorum_retries,
+        )
+        # torchft warns at every quorum that a CPU job has no NCCL flight recorder to reset: nothing to act on
+        logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
+        self.comm = ReplicaCommunicator(self.manager, settings.replica, settings.replicas, settings.exchange_retries)
+        self.history: list[RoundFaults] = []
+
+    def _heal(self, state: Any) -> None:
+        self._load(state)
+        self.healed = True
+
+    def start_round(self) -> bool:
+        """Join the next round's quorum; True when this replica healed from a peer there (its state replaced)."""
+        self.healed = False
+        start = time.perf_counter()
+        self.comm.start_round()
+        seconds = time.perf_counter() - start
+        index = self._current_round()  # a peer's round after a heal
+        record = RoundFaults(index, self.comm.participants, healed=self.healed, quorum_seconds=seconds)
+        record.started = time.time()
+        self.history.append(record)
+        if self.healed and index > 0:
+            log.warning("replica %d joined at round %d and healed from a peer", self.comm.rank, index + 1)
+        return self.healed
+
+    def end_round(self) -> None:
+        """Note the round's exchange: the replicas absent from it, and whether it committed. A line is logged when
+        the replicas taking part change, not every round."""
+        if not self.history:
+            return
+        record = self.history[-1]
+        record.absent = sorted(self.comm.absent)
+        record.committed = self.comm.committed
+        before = self.history[-2].absent if len(self.history) > 1 else []
+        if not record.committed:
+            log.warning("round %d was dropped: its exchange failed (no outer step)", record.round + 1)
+        elif record.absent != before:
+            present = self.comm.world_size - len(record.absent)
+            missing = ", ".join(map(str, record.absent)) or "none"
+            log.warning("round %d: %d of %d replicas took part (absent: %s)", record.round + 1, present,
+                        self.comm.world_size, missing)  # fmt: skip
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+def _process_group(device: torch.device, timeout: timedelta) -> Any:
+    """torchft's reconfigurable group: gloo on CPU, NCCL on a GPU."""
+    if device.type == "cuda":
+        from torchft.process_group import ProcessGroupNCCL
+
+        return ProcessGroupNCCL(timeout=timeout)
+    from torchft.process_group import ProcessGroupGloo
+
+    return ProcessGroupGloo(timeout=timeout)

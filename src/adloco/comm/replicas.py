@@ -1,0 +1,141 @@
+"""Transport among fault-tolerant replicas: one worker per replica, over a torchft ``Manager``'s process group.
+
+The replicas present in a round are the round's quorum (torchft's Lighthouse forms it); the Manager reconfigures
+its process group to them without a restart. Every exchange is one all-reduce of a byte buffer with a slot per
+worker id: each replica writes its row into its own slot and zeros elsewhere, so the sum is every present
+worker's row, bit for bit (adding exact zeros to bytes changes nothing), in worker-id order whatever the quorum's
+ranks are. A slot whose presence byte stayed 0 is a worker absent from the round. The round's outer step is
+committed only when every replica of the quorum finished the exchange (``Manager.should_commit``); a failed one
+reads as every worker absent, so no outer step is taken from it anywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.futures import Future
+
+from adloco.comm.base import CommStats, ExchangeMixin, OneProcessOps, contributed_bytes
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def pack_slot(row: Sequence[torch.Tensor], slot: int, slots: int) -> torch.Tensor:
+    """A buffer of ``slots`` slots of (presence byte, the row's bytes) with ``row`` in slot ``slot``."""
+    payload = torch.cat([torch.ones(1, dtype=torch.uint8), *[_bytes_of(t) for t in row]])
+    buffer = torch.zeros(slots, payload.numel(), dtype=torch.uint8)
+    buffer[slot] = payload
+    return buffer
+
+
+def unpack_slots(buffer: torch.Tensor, like: Sequence[torch.Tensor]) -> list[list[torch.Tensor] | None]:
+    """Each slot's row as tensors shaped and typed as ``like``; None for a slot nobody wrote."""
+    rows: list[list[torch.Tensor] | None] = []
+    for slot in buffer:
+        if slot[0].item() == 0:
+            rows.append(None)
+            continue
+        offset, row = 1, []
+        for t in like:
+            size = t.numel() * t.element_size()
+            # a fresh buffer: a slice may start at an offset the dtype's alignment does not allow
+            row.append(slot[offset : offset + size].clone().view(t.dtype).reshape(t.shape))
+            offset += size
+        rows.append(row)
+    return rows
+
+
+class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
+    """Collectives among the replicas of a torchft job: worker ``rank`` is replica ``rank`` of ``world_size``.
+
+    ``start_round`` asks the Lighthouse for the round's quorum (a joining replica heals there, in the Manager's
+    ``load_state_dict`` callback); ``gather_over_workers`` is the round's exchange and commit. ``absent`` holds
+    the workers missing from the last exchange (all of them when its commit failed).
+    """
+
+    shards, shard = 1, 0  # a replica is one process
+
+    def __init__(self, manager: Any, replica: int, replicas: int, retries: int = 1) -> None:
+        self.manager = manager
+        self.rank, self.world_size = replica, replicas
+        self.retries = retries  # a failed exchange is tried again this often among the replicas still there
+        self.stats = CommStats()
+        self.absent: frozenset[int] = frozenset()
+        self.committed = False  # whether the last exchange committed
+
+    def start_round(self) -> None:
+        """The round's quorum: blocks until the Lighthouse forms it (at most the quorum timeout)."""
+        self.manager.start_quorum()
+
+    @property
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    def _all_reduce(self, buffer: torch.Tensor) -> bool:
+        """Sum ``buffer`` over the quorum in place; False when the exchange failed (a replica died in it)."""
+        from torch.distributed import ReduceOp
+
+        start = time.perf_counter()
+        work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
+        work.wait()
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.wire_bytes += buffer.numel()
+        return self.manager.errored() is None
+
+    def _committed_exchange(self, own: list[torch.Tensor]) -> torch.Tensor | None:
+        """The summed slots of a committed exchange, tried again among the replicas still there (a quorum that
+        may only shrink: a replica joining now would have no round to contribute) after a failure; None when
+        every try failed."""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.manager.start_quorum(shrink_only=True)
+            buffer = pack_slot(own, self.rank, self.world_size)
+            exchanged = self._all_reduce(buffer)
+            if self.manager.should_commit() and exchanged:
+                return buffer
+        return None
+
+    def gather_over_workers(
+        self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
+    ) -> Future[list[list[torch.Tensor]]]:
+        """Every present worker's row in worker-id order (zeros for an absent one), and the round committed."""
+        if set(contributions) != {self.rank}:
+            raise RuntimeError(f"replica {self.rank} hosts worker {self.rank} alone, not {sorted(contributions)}")
+        own = list(contributions[self.rank])
+        start = time.perf_counter()
+        buffer = self._committed_exchange(own)
+        self.stats.wait_seconds += time.perf_counter() - start
+        self.committed = buffer is not None
+        rows = unpack_slots(buffer, own) if buffer is not None else [None] * self.world_size
+        self.absent = frozenset(w for w in workers if rows[w] is None)
+        present = [rows[w] if rows[w] is not None else [torch.zeros_like(t) for t in own] for w in sorted(workers)]
+        self.stats.bytes_sent += contributed_bytes([own] * (len(workers) - len(self.absent)), workers)
+        self.stats.exchanges += 1
+        future: Future[list[list[torch.Tensor]]] = Future()
+        future.set_result(present)
+        return future
+
+    def absent_from_last(self) -> frozenset[int]:
+        return self.absent
+
+    def gather_worker_scalars(
+        self, contributions: Mapping[int, Sequence[float]], workers: Sequence[int] | None = None
+    ) -> dict[int, list[float]]:
+        """Every present worker's floats, in the round's quorum (no commit of its own)."""
+        own = torch.tensor(list(contributions[self.rank]), dtype=torch.float64)
+        buffer = pack_slot([own], self.rank, self.world_size)
+        if not self._all_reduce(buffer):
+            return {self.rank: own.tolist()}
+        rows = unpack_slots(buffer, [own])
+        return {w: row[0].tolist() for w, row in enumerate(rows) if row is not None}
+
+    def ranks_of(self, workers: Sequence[int]) -> list[int]:
+        return sorted(workers)
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,96 @@
+"""A plain PyTorch loop with ``adloco.DiLoCo`` as one fault-tolerant replica (or, ``--plain``, one torchrun rank).
+
+``python replica_loop.py OUT --replica I --replicas N --lighthouse ADDR [--steps S] [--die-after N]
+[--step-seconds T] [--min-replicas M] [--plain]``. Worker I's samples at inner step s are drawn from a generator
+seeded by (I, s), so a replica that joins mid-run reads exactly the samples of the steps it takes (from
+``diloco.inner_step``, which it healed from a peer), and none of the steps before. ``--die-after N`` kills the
+process (SIGKILL, no clean-up) after it took N steps, mid-round when N is not a multiple of H (``--hang-after N``
+stops it there instead, SIGSTOP); ``--step-seconds``
+adds that much time to each step, as a larger model's compute would. At the end it writes θ
+(``OUT/replica<I>.pt``) and what each round was (``OUT/replica<I>.json``).
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from adloco import DiLoCo
+
+H = 4
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1_000_003 * worker + step)
+    x = torch.randn(16, 8, generator=generator)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def held_out_loss(net: torch.nn.Module) -> float:
+    x, y = batch(10_000, 0)
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(net(x), y))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--replica", type=int, default=None)
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--lighthouse", default=None)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--die-after", type=int, default=None)
+    parser.add_argument("--hang-after", type=int, default=None, help="SIGSTOP itself after N steps (a hung process)")
+    parser.add_argument("--exchange-timeout", type=float, default=20.0)
+    parser.add_argument("--step-seconds", type=float, default=0.0)
+    parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--plain", action="store_true", help="a torchrun rank over the default group instead")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.plain:
+        torch.distributed.init_process_group("gloo")
+        replica, ft = torch.distributed.get_rank(), None
+    else:
+        replica = args.replica
+        ft = {"lighthouse": args.lighthouse, "replica": replica, "replicas": args.replicas,
+              "min_replicas": args.min_replicas, "host": "127.0.0.1", "exchange_timeout_s": args.exchange_timeout,
+              "quorum_timeout_s": 60.0}  # fmt: skip
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    started = time.monotonic()
+    diloco = DiLoCo(net, optimizer, sync_every=H, fault_tolerance=ft)
+    joined = time.monotonic() - started
+    first_step = diloco.inner_step
+    with diloco:
+        while diloco.inner_step < args.steps:
+            if args.die_after is not None and diloco.inner_step - first_step == args.die_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.hang_after is not None and diloco.inner_step - first_step == args.hang_after:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(args.step_seconds)
+            x, y = batch(replica, diloco.inner_step)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    diloco.finish()
+    out = Path(args.out)
+    torch.save([p.detach().clone() for p in net.parameters()], out / f"replica{replica}.pt")
+    history = [vars(r) for r in diloco.replica.history] if diloco.replica is not None else []
+    result = {"first_step": first_step, "steps": diloco.inner_step, "rounds": diloco.rounds.count,
+              "joined_seconds": joined, "history": history, "loss": held_out_loss(net)}  # fmt: skip
+    (out / f"replica{replica}.json").write_text(json.dumps(result))
+    if args.plain:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

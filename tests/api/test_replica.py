@@ -1,0 +1,204 @@
+"""Fault-tolerant replicas on torchft: real processes on loopback, an ``adloco lighthouse`` process between them.
+
+Without a fault the replicas end on the bits of the same loop under torchrun; a replica killed mid-round is left
+out while the others go on, and started again it heals from a peer and ends on their θ.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from adloco import DiLoCo, build_config
+from adloco.comm.replicas import pack_slot, unpack_slots
+from adloco.config import ConfigError
+from tests.comm.test_distributed import _env, _free_port
+from tests.conftest import adloco_process
+
+LOOP = Path(__file__).with_name("replica_loop.py")
+DEADLINE_S = 240
+
+
+def _torchft_missing() -> bool:
+    try:
+        from torchft._torchft import LighthouseServer  # noqa: F401
+    except Exception:
+        return True
+    return False
+
+
+needs_torchft = pytest.mark.skipif(_torchft_missing(), reason="torchft (extra 'torchft') unavailable")
+
+
+def test_slots_carry_each_present_row_bit_for_bit_and_mark_the_absent():
+    mine = [torch.tensor([1.5, -0.0, float("nan")]), torch.tensor([7, 255], dtype=torch.uint8)]
+    theirs = [torch.tensor([2.0, 3.0, 4.0]), torch.tensor([1, 2], dtype=torch.uint8)]
+    summed = pack_slot(mine, 0, 3) + pack_slot(theirs, 2, 3)  # what the all-reduce of the quorum's buffers gives
+    rows = unpack_slots(summed, mine)
+    assert rows[1] is None
+    assert rows[0][0].view(torch.int32).tolist() == mine[0].view(torch.int32).tolist()  # -0.0 and NaN kept
+    assert (
+        torch.equal(rows[0][1], mine[1]) and torch.equal(rows[2][0], theirs[0]) and torch.equal(rows[2][1], theirs[1])
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["fault_tolerance.replica=0"], "replica, replicas"),
+        (["fault_tolerance.replica=3", "fault_tolerance.replicas=3"], "is not below replicas"),
+        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "fault_tolerance.min_replicas=3"], "larger"),
+        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "method=streaming"], "DiLoCo or LocalSGD"),
+    ],
+)
+def test_bad_fault_tolerance_settings_are_one_line_errors(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        build_config(overrides=["fault_tolerance.lighthouse=http://127.0.0.1:1", *overrides])
+
+
+def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
+    ft = {"lighthouse": "http://127.0.0.1:1", "replica": 0, "replicas": 2}
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="one trainer with the loop's own batch"):
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=ft, batch={"size": 2})
+    cli = adloco_process("train", "fault_tolerance.lighthouse=http://127.0.0.1:1", "fault_tolerance.replica=0",
+                         "fault_tolerance.replicas=2", cwd=tmp_path)  # fmt: skip
+    assert cli.returncode == 2 and "does not run fault-tolerant replicas yet" in cli.stderr
+    assert "Traceback" not in cli.stderr
+    bad = adloco_process("lighthouse", "--port", "70000", cwd=tmp_path)
+    assert bad.returncode == 2 and "not a port number" in bad.stderr.splitlines()[-1]
+
+
+def _lighthouse(min_replicas: int, port: int = 0) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-m", "adloco", "lighthouse", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--min-replicas", str(min_replicas), "--join-timeout", "2", "--heartbeat-timeout", "2"]
+    proc = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    match = re.search(r"lighthouse=(http://\S+)", line)
+    assert match, f"no address from adloco lighthouse: {line!r}"
+    return proc, match.group(1)
+
+
+def _replica(out: Path, replica: int, lighthouse: str, *flags: str) -> subprocess.Popen:
+    command = [sys.executable, str(LOOP), str(out), "--replica", str(replica), "--lighthouse", lighthouse, *flags]
+    env = {**_env(), "RUST_LOG": "error"}
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(procs: list[subprocess.Popen], deadline: float) -> list[int]:
+    codes = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        codes.append(proc.returncode)
+        if proc.returncode not in (0, -9):
+            print(err[-3000:], file=sys.stderr)
+    return codes
+
+
+def _theta(out: Path, replica: int) -> list[torch.Tensor]:
+    return torch.load(out / f"replica{replica}.pt")
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@needs_torchft
+def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path):
+    plain, ft = tmp_path / "plain", tmp_path / "ft"
+    plain.mkdir(), ft.mkdir()
+    deadline = time.monotonic() + DEADLINE_S
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--master_addr=127.0.0.1"]
+    torchrun += [f"--master_port={_free_port()}", str(LOOP), str(plain), "--plain", "--steps", "12"]
+    subprocess.run(torchrun, env=_env(), check=True, capture_output=True, timeout=DEADLINE_S)
+    lighthouse, address = _lighthouse(min_replicas=3)  # every replica at the first round, as torchrun has them
+    try:
+        procs = [_replica(ft, r, address, "--steps", "12", "--min-replicas", "3") for r in range(3)]
+        assert _finish(procs, deadline) == [0, 0, 0]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    for r in range(3):
+        assert _same(_theta(ft, r), _theta(plain, 0))
+        history = json.loads((ft / f"replica{r}.json").read_text())["history"]
+        assert [h["participants"] for h in history] == [3] * 3 and all(h["committed"] for h in history)
+
+
+@needs_torchft
+def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_peer(tmp_path):
+    deadline = time.monotonic() + DEADLINE_S
+    steps = ["--steps", "120", "--min-replicas", "2", "--step-seconds", "0.1"]
+    lighthouse, address = _lighthouse(min_replicas=2)
+    try:
+        survivors = [_replica(tmp_path, r, address, *steps) for r in (0, 1)]
+        doomed = _replica(tmp_path, 2, address, *steps, "--die-after", "6")  # a round starts every 4 steps
+        assert _finish([doomed], deadline) == [-9]
+        back = _replica(tmp_path, 2, address, *steps)
+        assert _finish([*survivors, back], deadline) == [0, 0, 0]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    results = [json.loads((tmp_path / f"replica{r}.json").read_text()) for r in range(3)]
+    assert all(r["steps"] == 120 and r["rounds"] == 30 for r in results)
+    # the survivors never restarted: each ran every round from the one it joined at (the first quorum may form
+    # before all three ask), one or more of them without replica 2
+    for survivor in results[:2]:
+        assert len(survivor["history"]) == 30 - survivor["first_step"] // 4
+        assert any(h["absent"] == [2] and h["committed"] for h in survivor["history"])
+    # the replica started again healed at a round's start and went on from the peers' step
+    rejoined = results[2]
+    assert rejoined["first_step"] > 6 and rejoined["first_step"] % 4 == 0
+    first = rejoined["history"][0]
+    assert first["healed"] and first["round"] == rejoined["first_step"] // 4 and rejoined["joined_seconds"] < 30
+    # from there on it trained with them: all three end on the same θ
+    assert _same(_theta(tmp_path, 2), _theta(tmp_path, 0)) and _same(_theta(tmp_path, 1), _theta(tmp_path, 0))
+
+
+def _histories(out: Path, replicas) -> list[list[dict]]:
+    return [json.loads((out / f"replica{r}.json").read_text())["history"] for r in replicas]
+
+
+@needs_torchft
+@pytest.mark.parametrize("fault", ["a hung replica", "two replicas dying in one round", "a restarted lighthouse"])
+def test_the_others_train_on_through(tmp_path, fault):
+    """A hung replica is cut off after the exchange timeout; a lone survivor trains alone; a Lighthouse restarted
+    on its address is found again by every replica."""
+    deadline = time.monotonic() + DEADLINE_S
+    steps = ["--steps", "80", "--step-seconds", "0.05", "--exchange-timeout", "4"]
+    port = _free_port()
+    lighthouse, address = _lighthouse(min_replicas=1, port=port)
+    flags = {
+        "a hung replica": {2: ["--hang-after", "14"]},
+        "two replicas dying in one round": {1: ["--die-after", "14"], 2: ["--die-after", "14"]},
+        "a restarted lighthouse": {},
+    }[fault]
+    try:
+        procs = {r: _replica(tmp_path, r, address, *steps, *flags.get(r, [])) for r in range(3)}
+        if fault == "a restarted lighthouse":
+            time.sleep(4.0)  # the replicas are training
+            lighthouse.terminate()
+            lighthouse.wait(timeout=30)
+            time.sleep(1.0)
+            lighthouse, _ = _lighthouse(min_replicas=1, port=port)
+        survivors = [r for r in range(3) if r not in flags]
+        assert _finish([procs[r] for r in survivors], deadline) == [0] * len(survivors)
+        for r in flags:
+            procs[r].kill()  # the hung one (SIGKILL ends a stopped process too); the dead are gone already
+            procs[r].wait()
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    for history in _histories(tmp_path, survivors):
+        assert all(h["committed"] for h in history)
+        assert sorted(flags) == (history[-1]["absent"] if flags else [])  # the faulty ones are left out at the end
+    thetas = [_theta(tmp_path, r) for r in survivors]
+    assert all(_same(theta, thetas[0]) for theta in thetas)

@@ -112,7 +112,7 @@ def run_one(cell_link: link.Link, method: str, args: argparse.Namespace, name: s
     summary = link.summarise(records, args.target)
     reached = interpolated_time(records, args.target)
     summary.update(time_to_target=reached[0] if reached else None, tokens_to_target=reached[1] if reached else None)
-    summary.update(sync_summary(records), overrides=settings, wall_seconds=time.monotonic() - started)
+    summary.update(sync_summary(records), overrides=link.portable(settings), wall_seconds=time.monotonic() - started)
     figure = "not reached" if reached is None else f"{reached[0]:.1f} s"
     print(f"  {name}: {figure} (val {summary['val_loss']:.4f}, {summary['seconds']:.1f} s)", flush=True)
     return summary
@@ -259,7 +259,7 @@ def in_process(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 records = [json.loads(x) for x in (args.out / name / "metrics.jsonl").read_text().splitlines() if x]
                 final = next(r for r in records if r["kind"] == "final")
                 results["runs"][key] = {"val_loss": min(final["val_loss"].values()), "seconds": final["seconds"],
-                                        "overrides": settings, **sync_summary(records)}  # fmt: skip
+                                        "overrides": link.portable(settings), **sync_summary(records)}  # fmt: skip
                 print(f"  {name}: val {results['runs'][key]['val_loss']:.4f}", flush=True)
                 save(report)
 

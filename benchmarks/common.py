@@ -80,7 +80,7 @@ def summarise(metrics_path: Path, name: str, overrides: list[str]) -> dict:
     val = final["val_loss"][str(final["best_trainer"])]
     return {
         "name": name,
-        "overrides": overrides,
+        "overrides": [o.replace(f"{Path(__file__).resolve().parents[1]}/", "") for o in overrides],  # no machine paths
         "val_loss": val,
         "tokens": final["tokens"],
         "rounds": final["rounds"],

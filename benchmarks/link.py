@@ -133,6 +133,11 @@ METHODS = ("ddp", "diloco", "streaming-fp4", "adloco", "adloco-eta2.5", *ADAPTIV
 DEFAULT_METHODS = ("ddp", "diloco", "streaming-fp4", "adloco")
 
 
+def portable(overrides: Sequence[str]) -> list[str]:
+    """Overrides as stored with a result: paths inside the checkout relative to it (no machine's path kept)."""
+    return [o.replace(f"{ROOT}/", "") for o in overrides]
+
+
 class LinkError(RuntimeError):
     """Setting up or using the namespace link failed."""
 
@@ -611,13 +616,17 @@ def run_rate(link: Link, args: argparse.Namespace, root: Path) -> dict[str, Any]
             result = summarise(records, target if target is not None else final_val_loss(records))
         except LinkError as error:
             print(f"  {name}: failed: {error}", flush=True)
-            results[method] = {"error": str(error), "overrides": settings}
+            results[method] = {"error": str(error), "overrides": portable(settings)}
             if method == "ddp":
                 break
             continue
         finally:
             port += 1  # a fresh port per job: the previous store's socket may linger in TIME_WAIT
-        results[method] = {"overrides": settings, "reused": reuse, "stopped_at_target": not result["finished"]}
+        results[method] = {
+            "overrides": portable(settings),
+            "reused": reuse,
+            "stopped_at_target": not result["finished"],
+        }
         results[method].update(result)
         results[method]["wall_seconds"] = time.monotonic() - started
         r = results[method]

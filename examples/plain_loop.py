@@ -7,6 +7,7 @@ bundled Tiny Shakespeare); each rank is one worker:
 
 import argparse
 import contextlib
+import os
 import time
 from itertools import islice
 from pathlib import Path
@@ -36,13 +37,17 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                          num_attention_heads=4, max_position_embeddings=args.context)  # fmt: skip
-    model = LlamaForCausalLM(config)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # one GPU per rank, shared when there are fewer GPUs
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    model = LlamaForCausalLM(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     forward = DistributedDataParallel(model) if args.ddp else model
     sync = contextlib.nullcontext() if args.ddp else DiLoCo(model, optimizer, sync_every=args.sync_every)
     started = time.perf_counter()
     with sync:
         for batch in islice(windows(train, args.batch, args.context, seed=rank), args.steps):
+            batch = batch.to(device)
             forward(input_ids=batch, labels=batch).loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -52,6 +57,7 @@ def main(args: argparse.Namespace) -> None:
         sync.finish()  # the model is now θ, the model DiLoCo trained
     with torch.no_grad():
         val_batch = torch.stack([val[s : s + args.context] for s in range(0, 64 * args.context, args.context)])
+        val_batch = val_batch.to(device)
         loss = model(input_ids=val_batch, labels=val_batch).loss.item()
     if rank == 0:
         tokens = args.steps * args.batch * args.context * world
@@ -66,5 +72,6 @@ if __name__ == "__main__":
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--ddp", action="store_true", help="torch DDP instead of DiLoCo, for comparison")
     parser.add_argument("--data", default=None, help="a text file (default: the bundled Tiny Shakespeare)")
+    parser.add_argument("--device", default="cpu", help="where the model trains (cpu, cuda); the exchange is gloo")
     main(parser.parse_args())
     end_process_group()  # after main returned: the optimizer hooks' cycles hold the process group

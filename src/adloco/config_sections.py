@@ -334,6 +334,10 @@ class FaultToleranceConfig(_Section):
         3, ge=0, description="How often a round's start asks the Lighthouse again after losing it (a restarted "
         "Lighthouse), each after reconnecting for up to exchange_timeout_s."
     )  # fmt: skip
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="The exchange's process group: auto is NCCL for a model on a GPU, else gloo; gloo "
+        "also serves a GPU model (its rows travel through host memory), as across machines without NCCL's network."
+    )  # fmt: skip
 
 
 class StreamingConfig(_Section):

@@ -1,12 +1,12 @@
 """A plain PyTorch loop with ``adloco.DiLoCo`` as one fault-tolerant replica (or, ``--plain``, one torchrun rank).
 
 ``python replica_loop.py OUT --replica I --replicas N --lighthouse ADDR [--steps S] [--die-after N]
-[--step-seconds T] [--min-replicas M] [--plain]``. Worker I's samples at inner step s are drawn from a generator
-seeded by (I, s), so a replica that joins mid-run reads exactly the samples of the steps it takes (from
-``diloco.inner_step``, which it healed from a peer), and none of the steps before. ``--die-after N`` kills the
-process (SIGKILL, no clean-up) after it took N steps, mid-round when N is not a multiple of H (``--hang-after N``
-stops it there instead, SIGSTOP); ``--step-seconds``
-adds that much time to each step, as a larger model's compute would. At the end it writes θ
+[--step-seconds T] [--min-replicas M] [--device cpu|cuda] [--backend auto|gloo|nccl] [--plain]``. Worker I's
+samples at inner step s are drawn from a generator seeded by (I, s) on the CPU, so a replica that joins mid-run
+reads exactly the samples of the steps it takes (from ``diloco.inner_step``, which it healed from a peer), and none
+of the steps before, on any device. ``--die-after N`` kills the process (SIGKILL, no clean-up) after it took N
+steps, mid-round when N is not a multiple of H (``--hang-after N`` stops it there instead, SIGSTOP);
+``--step-seconds`` adds that much time to each step, as a larger model's compute would. At the end it writes θ
 (``OUT/replica<I>.pt``) and what each round was (``OUT/replica<I>.json``).
 """
 
@@ -24,19 +24,19 @@ from adloco import DiLoCo
 H = 4
 
 
-def model(seed: int = 0) -> torch.nn.Module:
+def model(seed: int = 0, device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(device)
 
 
-def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(worker: int, step: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1_000_003 * worker + step)
-    x = torch.randn(16, 8, generator=generator)
+    x = torch.randn(16, 8, generator=generator).to(device)
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
 def held_out_loss(net: torch.nn.Module) -> float:
-    x, y = batch(10_000, 0)
+    x, y = batch(10_000, 0, next(net.parameters()).device)
     with torch.no_grad():
         return float(torch.nn.functional.mse_loss(net(x), y))
 
@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--exchange-timeout", type=float, default=20.0)
     parser.add_argument("--step-seconds", type=float, default=0.0)
     parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="where the model trains (cuda: every process on GPU 0)")
+    parser.add_argument("--backend", default="auto", help="the replicas' exchange: auto, gloo or nccl")
     parser.add_argument("--plain", action="store_true", help="a torchrun rank over the default group instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -63,8 +65,8 @@ def main() -> None:
         replica = args.replica
         ft = {"lighthouse": args.lighthouse, "replica": replica, "replicas": args.replicas,
               "min_replicas": args.min_replicas, "host": "127.0.0.1", "exchange_timeout_s": args.exchange_timeout,
-              "quorum_timeout_s": 60.0}  # fmt: skip
-    net = model()
+              "quorum_timeout_s": 60.0, "backend": args.backend}  # fmt: skip
+    net = model(device=args.device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     started = time.monotonic()
     diloco = DiLoCo(net, optimizer, sync_every=H, fault_tolerance=ft)
@@ -77,13 +79,13 @@ def main() -> None:
             if args.hang_after is not None and diloco.inner_step - first_step == args.hang_after:
                 os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(args.step_seconds)
-            x, y = batch(replica, diloco.inner_step)
+            x, y = batch(replica, diloco.inner_step, args.device)
             torch.nn.functional.mse_loss(net(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
     diloco.finish()
     out = Path(args.out)
-    torch.save([p.detach().clone() for p in net.parameters()], out / f"replica{replica}.pt")
+    torch.save([p.detach().cpu() for p in net.parameters()], out / f"replica{replica}.pt")
     history = [vars(r) for r in diloco.replica.history] if diloco.replica is not None else []
     result = {"first_step": first_step, "steps": diloco.inner_step, "rounds": diloco.rounds.count,
               "joined_seconds": joined, "history": history, "loss": held_out_loss(net)}  # fmt: skip

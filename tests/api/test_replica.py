@@ -1,10 +1,12 @@
 """Fault-tolerant replicas on torchft: real processes on loopback, an ``adloco lighthouse`` process between them.
 
 Without a fault the replicas end on the bits of the same loop under torchrun; a replica killed mid-round is left
-out while the others go on, and started again it heals from a peer and ends on their θ.
+out while the others go on, and started again it heals from a peer and ends on their θ. ``ADLOCO_TEST_DEVICE=cuda``
+runs the replicas' models on GPU 0 (the exchange over gloo: one GPU cannot hold several NCCL ranks).
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from tests.conftest import adloco_process
 
 LOOP = Path(__file__).with_name("replica_loop.py")
 DEADLINE_S = 240
+DEVICE = ["--device", os.environ.get("ADLOCO_TEST_DEVICE", "cpu"), "--backend", "gloo"]
 
 
 def _torchft_missing() -> bool:
@@ -74,6 +77,14 @@ def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
     assert bad.returncode == 2 and "not a port number" in bad.stderr.splitlines()[-1]
 
 
+@needs_torchft
+def test_an_nccl_exchange_for_a_model_on_the_cpu_is_refused_before_anything_starts():
+    ft = {"lighthouse": "http://127.0.0.1:1", "replica": 0, "replicas": 2, "backend": "nccl"}
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="backend=nccl needs the model on a CUDA device, not cpu"):
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=ft)
+
+
 def _lighthouse(min_replicas: int, port: int = 0) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "adloco", "lighthouse", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--min-replicas", str(min_replicas), "--join-timeout", "2", "--heartbeat-timeout", "2"]
@@ -85,7 +96,8 @@ def _lighthouse(min_replicas: int, port: int = 0) -> tuple[subprocess.Popen, str
 
 
 def _replica(out: Path, replica: int, lighthouse: str, *flags: str) -> subprocess.Popen:
-    command = [sys.executable, str(LOOP), str(out), "--replica", str(replica), "--lighthouse", lighthouse, *flags]
+    command = [sys.executable, str(LOOP), str(out), "--replica", str(replica), "--lighthouse", lighthouse, *DEVICE]
+    command += flags
     env = {**_env(), "RUST_LOG": "error"}
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -118,7 +130,7 @@ def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path)
     plain.mkdir(), ft.mkdir()
     deadline = time.monotonic() + DEADLINE_S
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--master_addr=127.0.0.1"]
-    torchrun += [f"--master_port={_free_port()}", str(LOOP), str(plain), "--plain", "--steps", "12"]
+    torchrun += [f"--master_port={_free_port()}", str(LOOP), str(plain), "--plain", "--steps", "12", *DEVICE]
     subprocess.run(torchrun, env=_env(), check=True, capture_output=True, timeout=DEADLINE_S)
     lighthouse, address = _lighthouse(min_replicas=3)  # every replica at the first round, as torchrun has them
     try:

@@ -102,7 +102,7 @@ class OuterOptimizer:
     @torch.no_grad()
     def step(self, delta: Sequence[torch.Tensor | None]) -> None:
         for param, d in zip(self.params, delta, strict=True):
-            param.grad = None if d is None else d.to(param.dtype)
+            param.grad = None if d is None else d.to(param.device, param.dtype)
         self.optimizer.step()
         for param in self.params:
             param.grad = None

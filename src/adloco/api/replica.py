@@ -57,6 +57,7 @@ class Replica:
         except ImportError as error:
             raise ValueError(f"fault_tolerance needs torchft (pip install 'adloco[torchft]'): {error}") from None
         assert settings.lighthouse is not None and settings.replica is not None and settings.replicas is not None
+        backend = exchange_backend(settings.backend, device)
         host = settings.host or socket.gethostname()
         timeout = timedelta(seconds=settings.exchange_timeout_s)
         # The replica group's own store (one rank); its peers reach it to form the quorum's process group.
@@ -64,7 +65,7 @@ class Replica:
         self._load, self._current_round = load, current_round
         self.healed = False
         self.manager = Manager(
-            pg=_process_group(device, timeout),
+            pg=_process_group(backend, timeout),
             load_state_dict=self._heal,
             state_dict=save,
             min_replica_size=settings.min_replicas,
@@ -84,7 +85,10 @@ class Replica:
         )
         # torchft warns at every quorum that a CPU job has no NCCL flight recorder to reset: nothing to act on
         logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
-        self.comm = ReplicaCommunicator(self.manager, settings.replica, settings.replicas, settings.exchange_retries)
+        transport = device if backend == "nccl" else torch.device("cpu")
+        self.comm = ReplicaCommunicator(
+            self.manager, settings.replica, settings.replicas, settings.exchange_retries, transport
+        )
         self.history: list[RoundFaults] = []
 
     def _heal(self, state: Any) -> None:
@@ -126,9 +130,18 @@ class Replica:
         self.comm.close()
 
 
-def _process_group(device: torch.device, timeout: timedelta) -> Any:
-    """torchft's reconfigurable group: gloo on CPU, NCCL on a GPU."""
-    if device.type == "cuda":
+def exchange_backend(backend: str, device: torch.device) -> str:
+    """The replicas' process group for a model on ``device``: NCCL for a GPU model unless gloo is asked for."""
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"fault_tolerance.backend=nccl needs the model on a CUDA device, not {device.type}")
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return backend
+
+
+def _process_group(backend: str, timeout: timedelta) -> Any:
+    """torchft's reconfigurable group of that backend."""
+    if backend == "nccl":
         from torchft.process_group import ProcessGroupNCCL
 
         return ProcessGroupNCCL(timeout=timeout)

@@ -101,7 +101,8 @@ class ExchangeMixin:
         packed: dict[int, list[torch.Tensor]] = {}
         for w, tensors in contributions.items():
             dtype = tensors[0].dtype if tensors else torch.float64
-            packed[w] = [*tensors] + ([] if reports is None else [pack_report(reports[w], dtype)])
+            device = tensors[0].device if tensors else torch.device("cpu")  # one row, one device (a GPU model's)
+            packed[w] = [*tensors] + ([] if reports is None else [pack_report(reports[w], dtype).to(device)])
         ordered = sorted(workers)
 
         def unpack(done: Future) -> Gathered:

@@ -25,18 +25,26 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def pack_slot(row: Sequence[torch.Tensor], slot: int, slots: int) -> torch.Tensor:
-    """A buffer of ``slots`` slots of (presence byte, the row's bytes) with ``row`` in slot ``slot``."""
-    payload = torch.cat([torch.ones(1, dtype=torch.uint8), *[_bytes_of(t) for t in row]])
-    buffer = torch.zeros(slots, payload.numel(), dtype=torch.uint8)
+def pack_slot(row: Sequence[torch.Tensor], slot: int, slots: int, device: torch.device | None = None) -> torch.Tensor:
+    """A buffer on ``device`` (default: the CPU) of ``slots`` slots of (presence byte, the row's bytes) with
+    ``row`` in slot ``slot``; the row's tensors may live anywhere."""
+    device = device or torch.device("cpu")
+    present = torch.ones(1, dtype=torch.uint8, device=device)
+    payload = torch.cat([present, *[_bytes_of(t).to(device) for t in row]])
+    buffer = torch.zeros(slots, payload.numel(), dtype=torch.uint8, device=device)
     buffer[slot] = payload
     return buffer
 
 
+def _zeros_like(row: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """An absent worker's row, on the CPU as the rows of an exchange come back (over torchrun too)."""
+    return [torch.zeros(t.shape, dtype=t.dtype) for t in row]
+
+
 def unpack_slots(buffer: torch.Tensor, like: Sequence[torch.Tensor]) -> list[list[torch.Tensor] | None]:
-    """Each slot's row as tensors shaped and typed as ``like``; None for a slot nobody wrote."""
+    """Each slot's row as CPU tensors shaped and typed as ``like``; None for a slot nobody wrote."""
     rows: list[list[torch.Tensor] | None] = []
-    for slot in buffer:
+    for slot in buffer.cpu():  # one copy off a GPU, then host slicing
         if slot[0].item() == 0:
             rows.append(None)
             continue
@@ -60,8 +68,11 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
 
     shards, shard = 1, 0  # a replica is one process
 
-    def __init__(self, manager: Any, replica: int, replicas: int, retries: int = 1) -> None:
+    def __init__(
+        self, manager: Any, replica: int, replicas: int, retries: int = 1, device: torch.device | None = None
+    ) -> None:
         self.manager = manager
+        self.device = device or torch.device("cpu")  # where the exchange's buffers live: the GPU for NCCL
         self.rank, self.world_size = replica, replicas
         self.retries = retries  # a failed exchange is tried again this often among the replicas still there
         self.stats = CommStats()
@@ -94,7 +105,7 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         for attempt in range(self.retries + 1):
             if attempt:
                 self.manager.start_quorum(shrink_only=True)
-            buffer = pack_slot(own, self.rank, self.world_size)
+            buffer = pack_slot(own, self.rank, self.world_size, self.device)
             exchanged = self._all_reduce(buffer)
             if self.manager.should_commit() and exchanged:
                 return buffer
@@ -113,7 +124,7 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         self.committed = buffer is not None
         rows = unpack_slots(buffer, own) if buffer is not None else [None] * self.world_size
         self.absent = frozenset(w for w in workers if rows[w] is None)
-        present = [rows[w] if rows[w] is not None else [torch.zeros_like(t) for t in own] for w in sorted(workers)]
+        present = [rows[w] if rows[w] is not None else _zeros_like(own) for w in sorted(workers)]
         self.stats.bytes_sent += contributed_bytes([own] * (len(workers) - len(self.absent)), workers)
         self.stats.exchanges += 1
         future: Future[list[list[torch.Tensor]]] = Future()
@@ -128,7 +139,7 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
     ) -> dict[int, list[float]]:
         """Every present worker's floats, in the round's quorum (no commit of its own)."""
         own = torch.tensor(list(contributions[self.rank]), dtype=torch.float64)
-        buffer = pack_slot([own], self.rank, self.world_size)
+        buffer = pack_slot([own], self.rank, self.world_size, self.device)
         if not self._all_reduce(buffer):
             return {self.rank: own.tolist()}
         rows = unpack_slots(buffer, [own])

@@ -62,10 +62,14 @@ def squared_norm(tensors: Sequence[torch.Tensor]) -> float:
     return math.fsum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2 for t in tensors)
 
 
-def _exchanged(mean: list[torch.Tensor], gathered: Gathered, reported: bool, width: int) -> Exchanged:
+def _exchanged(
+    mean: list[torch.Tensor], gathered: Gathered, reported: bool, width: int, device: torch.device
+) -> Exchanged:
     """Split each row into the worker's report and its ‖Δ_i‖² (the row's last value). A report's first value says
     whether the worker was out; without reports (the caller knew who was healthy) a worker that sent zeros was.
-    A worker absent from the exchange reads as out (``width``: the rows' length, report and ‖Δ_i‖²)."""
+    A worker absent from the exchange reads as out (``width``: the rows' length, report and ‖Δ_i‖²). The mean
+    goes to θ's ``device``: a transport may hand rows back in host memory (gloo, or any exchange's rows)."""
+    mean = [t.to(device) for t in mean]
     rows = dict(gathered.reports)
     if reported and gathered.absent:
         absent = torch.cat([absent_report(width - 1), torch.zeros(1, dtype=torch.float64)])
@@ -97,7 +101,7 @@ def _deltas(
             base = theta if bases is None else [bases[w][i] for i in fragment]
             local[w] = worker_delta(base, [workers[w].params[i] for i in fragment])
         drift = torch.tensor([squared_norm(local[w])], dtype=torch.float64)
-        rows[w] = drift if reports is None else torch.cat([reports[w].to(torch.float64), drift])
+        rows[w] = drift if reports is None else torch.cat([reports[w].to(drift.device, torch.float64), drift])
         weighted(local[w], weights.get(w, 1.0))
     return local, rows
 
@@ -147,6 +151,7 @@ class DeltaExchange:
         self._count(trainer, fragment)
         reported = reports is not None
         width = next(iter(rows.values())).numel() if rows else 0
+        device = trainer.theta[fragment[0]].device
 
         def divisor(gathered: Gathered) -> float:
             total = healthy_weight(gathered.reports, weights) if healthy is None else healthy
@@ -157,7 +162,8 @@ class DeltaExchange:
             def averaged(done: Future) -> Exchanged:
                 gathered: Gathered = done.wait()
                 assert gathered.total is not None
-                return _exchanged([t.div_(divisor(gathered)) for t in gathered.total], gathered, reported, width)
+                mean = [t.div_(divisor(gathered)) for t in gathered.total]
+                return _exchanged(mean, gathered, reported, width, device)
 
             return self.comm.sum_with_reports(local, rows, trainer.worker_ids).then(averaged)
         key = f"{trainer.trainer_id}/{index}"
@@ -170,7 +176,7 @@ class DeltaExchange:
             assert gathered.rows is not None and self.codec is not None
             encoded = [Encoded(codes=c, scales=s if s.numel() else None, numel=numel) for c, s in gathered.rows]
             flat = decode_and_average(encoded, self.codec, divisor=divisor(gathered))
-            return _exchanged(unflatten(flat, like), gathered, reported, width)
+            return _exchanged(unflatten(flat, like), gathered, reported, width, device)
 
         return self.comm.gather_with_reports(payloads, rows, trainer.worker_ids).then(decode)
 

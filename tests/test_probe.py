@@ -79,3 +79,12 @@ def test_cpu_budget_probe_through_the_config(tmp_path):
     assert generous == 16
     with pytest.raises(ConfigError, match="not even one sample"):
         resolve_b_max(build_config(overrides=["batch.memory_budget_mb=1"]), model, 64, 256)
+
+
+def test_a_gpu_budget_is_split_among_the_workers_that_train_on_it():
+    from adloco.cluster import cuda_budget
+
+    capacity = 80 * 2**30
+    assert cuda_budget(0.9, capacity, 1) == int(0.9 * capacity)
+    assert cuda_budget(0.9, capacity, 4) == int(0.9 * capacity / 4)  # 4 slots of one rank on its one GPU
+    assert cuda_budget(0.5, capacity, 0) == cuda_budget(0.5, capacity, 1)

@@ -67,12 +67,23 @@ class RoundReport:
     sync: dict = field(default_factory=dict)  # H of the next round and why (``SyncDecision.to_dict``)
 
 
+def cuda_budget(memory_fraction: float, capacity_bytes: int, workers_on_device: int) -> int:
+    """One worker's share of a GPU: ``memory_fraction`` of it split evenly among the workers that train on it
+    (a rank's slots share its GPU, and the probe's step is one worker's)."""
+    return int(memory_fraction * capacity_bytes / max(1, workers_on_device))
+
+
 def resolve_b_max(
-    config: TrainConfig, model: torch.nn.Module, context: int, vocab_size: int, task: Task | None = None
+    config: TrainConfig,
+    model: torch.nn.Module,
+    context: int,
+    vocab_size: int,
+    task: Task | None = None,
+    workers_on_device: int = 1,
 ) -> int:
-    """b_max from the config, or probed with real steps (of ``task``'s batches and loss): on CUDA under
-    ``memory_fraction`` of the device, on CPU under ``memory_budget_mb`` of process memory (without a budget
-    a CPU worker is limited by b_cap)."""
+    """b_max from the config, or probed with real steps (of ``task``'s batches and loss): on CUDA under each
+    worker's share of ``memory_fraction`` of the device, on CPU under ``memory_budget_mb`` of process memory
+    (without a budget a CPU worker is limited by b_cap)."""
     batch = config.batch
     if batch.b_max is not None:
         return batch.b_max
@@ -85,7 +96,7 @@ def resolve_b_max(
     meter: MemoryMeter
     if device.type == "cuda":
         cuda = CudaMemoryMeter(device)
-        meter, budget = cuda, int(batch.memory_fraction * cuda.capacity_bytes())
+        meter, budget = cuda, cuda_budget(batch.memory_fraction, cuda.capacity_bytes(), workers_on_device)
     elif batch.memory_budget_mb is not None:
         meter, budget = ProcessMemoryMeter(), int(batch.memory_budget_mb * 2**20)
     else:
@@ -94,7 +105,8 @@ def resolve_b_max(
     found = probe_b_max(step, meter, budget, upper=batch.b_cap)
     if found == 0:
         raise ConfigError(f"batch: not even one sample fits in {budget / 2**20:.0f} MiB at context {context}")
-    log.info("b_max probe on %s: %d samples per micro-batch fit in %.0f MiB", device, found, budget / 2**20)
+    log.info("b_max probe on %s: %d samples per micro-batch fit in %.0f MiB (a worker's share; %d on the device)",
+             device, found, budget / 2**20, workers_on_device)  # fmt: skip
     return found
 
 
@@ -169,7 +181,8 @@ class Cluster:
             template = task.build_model(config.seed if config.merge.shared_init else config.seed + trainer_id)
             if b_max is None:
                 on_device = template.to(self.device) if config.shards == 1 else template  # never whole on a device
-                b_max = resolve_b_max(config, on_device, self.context, task.vocab_size, task)
+                here = sum(rank == self.comm.rank for rank in self.worker_rank.values())  # all on this device
+                b_max = resolve_b_max(config, on_device, self.context, task.vocab_size, task, here)
                 template = template.cpu()
                 fragments = parameter_fragments(config, [name for name, _ in template.named_parameters()])
             self.trainers[trainer_id] = self._trainer(trainer_id, template, worker_ids, fragments)

@@ -239,7 +239,11 @@ class BatchConfig(_Section):
         description="Largest micro-batch per worker; null: probe it under the memory budget, or b_cap without one.",
     )
     memory_fraction: float = Field(
-        0.9, gt=0, le=1, description="b_max probe on CUDA: share of the device memory a step may peak at."
+        0.9,
+        gt=0,
+        le=1,
+        description="b_max probe on CUDA: share of the device memory the workers it hosts may "
+        "peak at; each worker's step gets an equal part of it.",
     )
     memory_budget_mb: float | None = Field(
         None, gt=0, description="b_max probe on CPU: peak process memory (MiB) a step may reach; null: no probe."

@@ -1,13 +1,14 @@
-"""What only a GPU exercises, checked on one: CUDA tensors through every method's exchange, the b_max probe under
-CUDA memory stats, NCCL, a user's loop and fault-tolerant replicas with their models on the GPU.
+"""What only a GPU exercises, checked on one: every method of ``adloco train`` with its workers on the GPU (in
+one process), the b_max probe under CUDA memory statistics, NCCL, a loop of your own over gloo and fault-tolerant
+replicas with their models on the GPU.
 
-    python benchmarks/cuda_check.py [--write] [--results PATH]
+    python benchmarks/cuda_check.py [--write] [--results PATH] [--only train|distributed]
 
 Each check is its own process with a deadline; a check passes when its process ends well and, for training runs,
 the final validation loss is finite and below the untrained model's (ln 256 ≈ 5.55 nats per byte). The test suite
-(``python -m pytest``) runs on the CPU; this script is for a machine with a CUDA GPU and writes
-``benchmarks/results/cuda.json`` with ``--write``. One GPU is enough: processes that would each want a GPU of their
-own share GPU 0, and exchange over gloo (NCCL allows one rank per GPU, so it is checked with one rank).
+(``python -m pytest``) runs on the CPU; this script is for a machine with a CUDA GPU. ``--write`` appends the call
+to ``benchmarks/results/cuda.json``. One GPU is enough: processes that would each want a GPU of their own share
+GPU 0 and exchange over gloo (NCCL allows one rank per GPU, so it is checked with one rank).
 """
 
 from __future__ import annotations
@@ -166,8 +167,11 @@ def main() -> None:
     environment_ = {**environment(), "gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda}
     passed = sum(c["passed"] for c in checks)
     print(f"{passed} passed, {len(checks) - passed} failed")
-    if args.write:
-        Path(args.results).write_text(json.dumps({"environment": environment_, "checks": checks}, indent=1) + "\n")
+    if args.write:  # each call is kept: a fix between calls shows as a check that failed, then passed
+        path = Path(args.results)
+        stored = json.loads(path.read_text()) if path.exists() else {"runs": []}
+        stored["runs"].append({"call": len(stored["runs"]) + 1, "environment": environment_, "checks": checks})
+        path.write_text(json.dumps(stored, indent=1) + "\n")
     sys.exit(0 if passed == len(checks) else 1)
 
 

@@ -242,8 +242,8 @@ class BatchConfig(_Section):
         0.9,
         gt=0,
         le=1,
-        description="b_max probe on CUDA: share of the device memory the workers it hosts may "
-        "peak at; each worker's step gets an equal part of it.",
+        description="b_max probe on CUDA: share of the GPU's memory the workers a rank hosts on it may peak at; "
+        "each worker's step gets an equal part.",
     )
     memory_budget_mb: float | None = Field(
         None, gt=0, description="b_max probe on CPU: peak process memory (MiB) a step may reach; null: no probe."

@@ -308,3 +308,13 @@ def test_auto_chooses_each_rounds_length_in_the_loop_and_keeps_it_in_its_state()
     restored = DiLoCo(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), sync_every="auto", sync_auto=bounds)
     restored.load_state_dict(diloco.state_dict())
     assert restored.rounds.length == diloco.rounds.length and restored.rounds.count == diloco.rounds.count
+
+
+def test_a_state_saved_on_a_gpu_loads_into_a_model_on_the_cpu():
+    """A heal or checkpoint from a peer whose model was on a GPU (cuda:1, say) lands in host memory for a model on
+    the CPU, and whatever was saved in host memory stays there."""
+    from adloco.api.loop_state import onto_device_of_model
+
+    place = onto_device_of_model(torch.device("cpu"))
+    storage = torch.arange(4.0).untyped_storage()
+    assert place(storage, "cuda:1") is storage and place(storage, "cpu") is storage

@@ -4,10 +4,12 @@ replica's heal (a peer's, without that peer's own error feedback)."""
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from adloco.algorithms.sharding import local_rows
 from adloco.sync.rounds import WorkerRound
 
 if TYPE_CHECKING:
@@ -16,6 +18,18 @@ if TYPE_CHECKING:
 
 _STATE_KEY = "adloco_diloco"
 _SETTINGS_BEFORE = {"outer_optimizer": "sgd"}  # states saved before these settings
+
+
+def onto_device_of_model(device: torch.device) -> Callable[[Any, str], Any]:
+    """``torch.load``'s placement of a saved state: what a GPU saved lands on this model's GPU (whatever GPU
+    index the saver had) or, for a model on the CPU, in host memory; what was in host memory stays there."""
+
+    def place(storage: Any, location: str) -> Any:
+        if location.startswith("cuda") and device.type == "cuda":
+            return storage.cuda(device.index if device.index is not None else torch.cuda.current_device())
+        return storage  # deserialized in host memory
+
+    return place
 
 
 class LoopState:
@@ -27,6 +41,7 @@ class LoopState:
     global_rank: int
     rank: int
     world_size: int
+    params: list[torch.Tensor]
 
     def state_dict(self) -> dict[str, Any]:
         """θ, the outer optimizer state, exchanges in flight, this rank's error feedback (and eager copy) and the
@@ -68,7 +83,8 @@ class LoopState:
         self._load_payload(state_dict[key])
 
     def _load_payload(self, payload: bytes) -> None:
-        state = torch.load(io.BytesIO(payload), weights_only=True)
+        device = local_rows(self.params[0]).device
+        state = torch.load(io.BytesIO(payload), weights_only=True, map_location=onto_device_of_model(device))
         if state["world_size"] != self.world_size:
             raise ValueError(f"the state was saved by {state['world_size']} ranks; this job has {self.world_size}")
         settings = _settings(self.config, self.shards, self.batch is not None)

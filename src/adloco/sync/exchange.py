@@ -189,7 +189,8 @@ class DeltaExchange:
         encoded = self.codec.encode(flat)
         if feedback is not None:
             feedback.record(key, flat, self.codec.decode(encoded))
-        return [encoded.codes, encoded.scales if encoded.scales is not None else torch.zeros(0, dtype=torch.uint8)]
+        no_scales = torch.zeros(0, dtype=torch.uint8, device=encoded.codes.device)  # one row, one device
+        return [encoded.codes, encoded.scales if encoded.scales is not None else no_scales]
 
     def _count(self, trainer: Trainer, fragment: Sequence[int]) -> None:
         """Track the largest single exchange: every worker's payload for one fragment."""

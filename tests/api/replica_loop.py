@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="where the model trains (cuda: every process on GPU 0)")
     parser.add_argument("--backend", default="auto", help="the replicas' exchange: auto, gloo or nccl")
+    parser.add_argument("--method", default="diloco", help="diloco, or streaming (2 fragments, tau 1)")
     parser.add_argument("--plain", action="store_true", help="a torchrun rank over the default group instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -69,7 +70,7 @@ def main() -> None:
     net = model(device=args.device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     started = time.monotonic()
-    diloco = DiLoCo(net, optimizer, sync_every=H, fault_tolerance=ft)
+    diloco = DiLoCo(net, optimizer, sync_every=H, method=args.method, fault_tolerance=ft)
     joined = time.monotonic() - started
     first_step = diloco.inner_step
     with diloco:

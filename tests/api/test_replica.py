@@ -56,7 +56,8 @@ def test_slots_carry_each_present_row_bit_for_bit_and_mark_the_absent():
         (["fault_tolerance.replica=0"], "replica, replicas"),
         (["fault_tolerance.replica=3", "fault_tolerance.replicas=3"], "is not below replicas"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "fault_tolerance.min_replicas=3"], "larger"),
-        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "method=streaming"], "DiLoCo or LocalSGD"),
+        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "method=adloco"], "LocalSGD or streaming"),
+        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "outer.overlap=delayed"], "without outer.overlap"),
     ],
 )
 def test_bad_fault_tolerance_settings_are_one_line_errors(overrides, fragment):
@@ -125,16 +126,18 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @needs_torchft
-def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path):
+@pytest.mark.parametrize("method", ["diloco", "streaming"])
+def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path, method):
     plain, ft = tmp_path / "plain", tmp_path / "ft"
     plain.mkdir(), ft.mkdir()
     deadline = time.monotonic() + DEADLINE_S
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--master_addr=127.0.0.1"]
     torchrun += [f"--master_port={_free_port()}", str(LOOP), str(plain), "--plain", "--steps", "12", *DEVICE]
+    torchrun += ["--method", method]
     subprocess.run(torchrun, env=_env(), check=True, capture_output=True, timeout=DEADLINE_S)
     lighthouse, address = _lighthouse(min_replicas=3)  # every replica at the first round, as torchrun has them
     try:
-        procs = [_replica(ft, r, address, "--steps", "12", "--min-replicas", "3") for r in range(3)]
+        procs = [_replica(ft, r, address, "--steps", "12", "--min-replicas", "3", "--method", method) for r in range(3)]
         assert _finish(procs, deadline) == [0, 0, 0]
     finally:
         lighthouse.terminate()
@@ -146,9 +149,12 @@ def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path)
 
 
 @needs_torchft
-def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_peer(tmp_path):
+@pytest.mark.parametrize("method", ["diloco", "streaming"])
+def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_peer(tmp_path, method):
+    """Streaming: the replica dies between its round's two fragment exchanges (steps 2 and 4 of each round) and
+    rejoins at a round's start with fragment 0's exchange of the round before still to apply (τ = 1)."""
     deadline = time.monotonic() + DEADLINE_S
-    steps = ["--steps", "120", "--min-replicas", "2", "--step-seconds", "0.1"]
+    steps = ["--steps", "120", "--min-replicas", "2", "--step-seconds", "0.1", "--method", method]
     lighthouse, address = _lighthouse(min_replicas=2)
     try:
         survivors = [_replica(tmp_path, r, address, *steps) for r in (0, 1)]

@@ -304,11 +304,10 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"fault_tolerance.min_replicas ({ft.min_replicas}) is larger than replicas ({ft.replicas})"
             )
-        if self.method not in ("diloco", "localsgd", "streaming") or self.outer.overlap != "none" or self.trainers != 1:
+        if self.method not in ("diloco", "localsgd", "streaming") or self.trainers != 1:
             raise ValueError(
-                "fault_tolerance: replicas run DiLoCo, LocalSGD or streaming of one trainer without outer.overlap "
-                "for now "
-                f"(method={self.method}, trainers={self.trainers}, outer.overlap={self.outer.overlap})"
+                "fault_tolerance: replicas run DiLoCo (outer.overlap too), LocalSGD or streaming of one trainer for "
+                f"now (method={self.method}, trainers={self.trainers})"
             )
 
     def _check_elastic(self) -> None:

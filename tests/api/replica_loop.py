@@ -1,7 +1,8 @@
 """A plain PyTorch loop with ``adloco.DiLoCo`` as one fault-tolerant replica (or, ``--plain``, one torchrun rank).
 
 ``python replica_loop.py OUT --replica I --replicas N --lighthouse ADDR [--steps S] [--die-after N]
-[--step-seconds T] [--min-replicas M] [--device cpu|cuda] [--backend auto|gloo|nccl] [--plain]``. Worker I's
+[--step-seconds T] [--min-replicas M] [--device cpu|cuda] [--backend auto|gloo|nccl] [--method diloco|streaming]
+[--overlap none|delayed|eager] [--plain]``. Worker I's
 samples at inner step s are drawn from a generator seeded by (I, s) on the CPU, so a replica that joins mid-run
 reads exactly the samples of the steps it takes (from ``diloco.inner_step``, which it healed from a peer), and none
 of the steps before, on any device. ``--die-after N`` kills the process (SIGKILL, no clean-up) after it took N
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the model trains (cuda: every process on GPU 0)")
     parser.add_argument("--backend", default="auto", help="the replicas' exchange: auto, gloo or nccl")
     parser.add_argument("--method", default="diloco", help="diloco, or streaming (2 fragments, tau 1)")
+    parser.add_argument("--overlap", default="none", help="outer.overlap: none, delayed or eager")
     parser.add_argument("--plain", action="store_true", help="a torchrun rank over the default group instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -70,7 +72,8 @@ def main() -> None:
     net = model(device=args.device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     started = time.monotonic()
-    diloco = DiLoCo(net, optimizer, sync_every=H, method=args.method, fault_tolerance=ft)
+    outer = {"overlap": args.overlap} if args.overlap != "none" else None
+    diloco = DiLoCo(net, optimizer, sync_every=H, method=args.method, outer=outer, fault_tolerance=ft)
     joined = time.monotonic() - started
     first_step = diloco.inner_step
     with diloco:

@@ -24,6 +24,11 @@ from tests.conftest import adloco_process
 
 LOOP = Path(__file__).with_name("replica_loop.py")
 DEADLINE_S = 240
+_METHOD_FLAGS = {
+    "diloco": [],
+    "streaming": ["--method", "streaming"],  # 2 fragments, τ = 1
+    "eager": ["--overlap", "eager"],  # outer.overlap: Δ in flight for a round, each worker's own share at once
+}
 DEVICE = ["--device", os.environ.get("ADLOCO_TEST_DEVICE", "cpu"), "--backend", "gloo"]
 
 
@@ -57,7 +62,7 @@ def test_slots_carry_each_present_row_bit_for_bit_and_mark_the_absent():
         (["fault_tolerance.replica=3", "fault_tolerance.replicas=3"], "is not below replicas"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "fault_tolerance.min_replicas=3"], "larger"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "method=adloco"], "LocalSGD or streaming"),
-        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "outer.overlap=delayed"], "without outer.overlap"),
+        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "trainers=2"], "one trainer"),
     ],
 )
 def test_bad_fault_tolerance_settings_are_one_line_errors(overrides, fragment):
@@ -133,11 +138,13 @@ def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path,
     deadline = time.monotonic() + DEADLINE_S
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--master_addr=127.0.0.1"]
     torchrun += [f"--master_port={_free_port()}", str(LOOP), str(plain), "--plain", "--steps", "12", *DEVICE]
-    torchrun += ["--method", method]
+    torchrun += _METHOD_FLAGS[method]
     subprocess.run(torchrun, env=_env(), check=True, capture_output=True, timeout=DEADLINE_S)
     lighthouse, address = _lighthouse(min_replicas=3)  # every replica at the first round, as torchrun has them
     try:
-        procs = [_replica(ft, r, address, "--steps", "12", "--min-replicas", "3", "--method", method) for r in range(3)]
+        procs = [
+            _replica(ft, r, address, "--steps", "12", "--min-replicas", "3", *_METHOD_FLAGS[method]) for r in range(3)
+        ]
         assert _finish(procs, deadline) == [0, 0, 0]
     finally:
         lighthouse.terminate()
@@ -149,12 +156,12 @@ def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path,
 
 
 @needs_torchft
-@pytest.mark.parametrize("method", ["diloco", "streaming"])
+@pytest.mark.parametrize("method", ["diloco", "streaming", "eager"])
 def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_peer(tmp_path, method):
     """Streaming: the replica dies between its round's two fragment exchanges (steps 2 and 4 of each round) and
     rejoins at a round's start with fragment 0's exchange of the round before still to apply (τ = 1)."""
     deadline = time.monotonic() + DEADLINE_S
-    steps = ["--steps", "120", "--min-replicas", "2", "--step-seconds", "0.1", "--method", method]
+    steps = ["--steps", "120", "--min-replicas", "2", "--step-seconds", "0.1", *_METHOD_FLAGS[method]]
     lighthouse, address = _lighthouse(min_replicas=2)
     try:
         survivors = [_replica(tmp_path, r, address, *steps) for r in (0, 1)]
@@ -188,10 +195,12 @@ def _histories(out: Path, replicas) -> list[list[dict]]:
 @needs_torchft
 @pytest.mark.parametrize("fault", ["a hung replica", "two replicas dying in one round", "a restarted lighthouse"])
 def test_the_others_train_on_through(tmp_path, fault):
-    """A hung replica is cut off after the exchange timeout; a lone survivor trains alone; a Lighthouse restarted
-    on its address is found again by every replica."""
+    """A hung replica is cut off after the exchange timeout (streaming: at a fragment's exchange); a lone survivor
+    trains alone (with eager outer updates: the round's reports travel apart from Δ, and the dead are absent from
+    both); a Lighthouse restarted on its address is found again by every replica."""
     deadline = time.monotonic() + DEADLINE_S
-    steps = ["--steps", "80", "--step-seconds", "0.05", "--exchange-timeout", "4"]
+    method = {"a hung replica": "streaming", "two replicas dying in one round": "eager"}.get(fault, "diloco")
+    steps = ["--steps", "80", "--step-seconds", "0.05", "--exchange-timeout", "4", *_METHOD_FLAGS[method]]
     port = _free_port()
     lighthouse, address = _lighthouse(min_replicas=1, port=port)
     flags = {

@@ -72,6 +72,7 @@ class LoopState:
         """A peer's state, taken at the round's start: the model restarts from its θ with a fresh inner optimizer."""
         self._load_payload(payload)
         self.workers[self.rank].load_params(self.trainer.theta)
+        self.sync.join_worker(self.rank)  # an eager copy starts from θ too
         self.optimizer.state.clear()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from adloco.comm.base import Communicator
 from adloco.sync.exchange import DeltaExchange, Drift, Exchanged
-from adloco.sync.rounds import RoundState
+from adloco.sync.rounds import RoundState, absent_report
 from adloco.trainer import Trainer
 from adloco.worker import Worker
 
@@ -69,6 +69,10 @@ class SyncStrategy:
     def load_worker_state(self, worker_id: int, state: dict) -> None:
         pass
 
+    def join_worker(self, worker_id: int) -> None:
+        """Worker ``worker_id`` took its trainer's state from a peer (a replica's heal): its own per-worker outer
+        state, if the strategy keeps any, starts from the trainer's."""
+
     def state_dict(self) -> dict:
         """Exchanges in flight, keyed ``"trainer/fragment"``: the step at which each is applied and its Δ."""
         return {}
@@ -103,7 +107,8 @@ class DeltaStrategy(SyncStrategy):
         """A round boundary whose Δ is not waited for now still has to tell every rank who did what."""
         local = state.local_tensors(self.hosted(trainer))
         gathered = self.comm.wait(self.comm.gather_with_reports({w: [] for w in local}, local, trainer.worker_ids))
-        state.learn(gathered.reports)
+        width = next(iter(local.values())).numel() if local else 0
+        state.learn({**dict.fromkeys(gathered.absent, absent_report(width)), **gathered.reports})
 
     def mark_skipped(self, state: RoundState, trainer: Trainer) -> bool:
         """Every worker of the trainer sat out: no outer step from this round."""

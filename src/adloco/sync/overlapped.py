@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from copy import deepcopy
 from typing import Any
 
 import torch
@@ -48,6 +49,16 @@ class EagerCopy:
             t.copy_(saved)
         self.outer.load_state_dict(state["outer"])
         self.share = None if state["share"] is None else [t.clone() for t in state["share"]]
+
+    @torch.no_grad()
+    def start_from(self, trainer: Trainer) -> None:
+        """θ and outer momentum from the trainer's, no share in flight: a worker that joins a running job."""
+        for t, theta in zip(self.theta, trainer.theta, strict=True):
+            t.copy_(theta)
+        # a copy: torch's load_state_dict keeps tensors already on the right device, which would alias the
+        # trainer's momentum and step it twice
+        self.outer.load_state_dict(deepcopy(trainer.outers[0].state_dict()))
+        self.share = None
 
     @torch.no_grad()
     def step(self, arrived: Sequence[torch.Tensor] | None, fresh: list[torch.Tensor] | None) -> None:
@@ -128,6 +139,12 @@ class OverlappedSync(DeltaStrategy):
         if copy is not None and state.get("eager") is not None:
             copy.load_state_dict(state["eager"])
             self.workers[worker_id].load_params(copy.theta)  # it starts the next round from its own copy
+
+    def join_worker(self, worker_id: int) -> None:
+        copy = self.eager.get(worker_id)
+        if copy is not None:
+            copy.start_from(next(t for t in self.trainers.values() if worker_id in t.worker_ids))
+            self.workers[worker_id].load_params(copy.theta)
 
     def state_dict(self) -> dict:
         return {f"{k}/0": {"due": 0, "delta": future.wait().mean} for k, future in self.pending.items()}

@@ -5,11 +5,12 @@
     python examples/replica_loop.py --replica 1 --replicas 3 --lighthouse http://localhost:29510 &
     python examples/replica_loop.py --replica 2 --replicas 3 --lighthouse http://localhost:29510
 
-Kill any replica (kill -9) and the others go on without it; start it again with the same command and it heals
-from one of them at the next round and goes on from their step. The tiny byte-level LLaMA on Tiny Shakespeare;
-worker i's batch at inner step s is drawn from a generator seeded by (i, s), so a replica that comes back reads
-the windows of the steps it takes, none twice. ``--log FILE`` appends one JSON line per round (who took part,
-who was absent, whether it committed, whether this replica healed there).
+On GPUs add ``--device cuda:N`` (and ``--backend gloo`` where replicas share a GPU or the machines have no NCCL
+network between them). Kill any replica (kill -9) and the others go on without it; start it again with the same
+command and it heals from one of them at the next round and goes on from their step. The tiny byte-level LLaMA
+on Tiny Shakespeare; worker i's batch at inner step s is drawn from a generator seeded by (i, s), so a replica
+that comes back reads the windows of the steps it takes, none twice. ``--log FILE`` appends one JSON line per
+round (who took part, who was absent, whether it committed, whether this replica healed there).
 """
 
 import argparse
@@ -48,17 +49,17 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # every replica builds the same model; at the start they all take replica 0's θ anyway
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                          num_attention_heads=4, max_position_embeddings=args.context)  # fmt: skip
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     fault_tolerance = {"lighthouse": args.lighthouse, "replica": args.replica, "replicas": args.replicas,
-                       "min_replicas": args.min_replicas, "host": args.host}  # fmt: skip
+                       "min_replicas": args.min_replicas, "host": args.host, "backend": args.backend}  # fmt: skip
     joining = time.time()  # imports and the model are done: from here on it is the quorum, the heal, the rounds
     diloco = DiLoCo(model, optimizer, sync_every=args.sync_every, fault_tolerance=fault_tolerance)
     log = Path(args.log) if args.log else None
     written = 0
     with diloco:
         while diloco.inner_step < args.steps:  # after a heal the step is the peers'
-            batch = window(train, args.replica, diloco.inner_step, args.batch, args.context)
+            batch = window(train, args.replica, diloco.inner_step, args.batch, args.context).to(args.device)
             model(input_ids=batch, labels=batch).loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -68,6 +69,7 @@ def main(args: argparse.Namespace) -> None:
     log_rounds(diloco, log, written, joining, last=True)
     with torch.no_grad():
         val_batch = torch.stack([val[s : s + args.context] for s in range(0, 64 * args.context, args.context)])
+        val_batch = val_batch.to(args.device)
         loss = model(input_ids=val_batch, labels=val_batch).loss.item()
     print(f"replica {args.replica}: val loss {loss:.4f} after {diloco.inner_step} steps", flush=True)
 
@@ -84,5 +86,8 @@ if __name__ == "__main__":
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="where the model trains: cpu, cuda or cuda:N")
+    parser.add_argument("--backend", default="auto", help="the exchange: auto (NCCL for a GPU model), gloo or nccl; "
+                        "replicas sharing one GPU need gloo")  # fmt: skip
     parser.add_argument("--log", default=None, help="append one JSON line per round to this file")
     main(parser.parse_args())

@@ -80,3 +80,30 @@ def test_each_workers_drift_rides_in_its_report_and_the_mean_drift_comes_back():
     # Without reports the healthy workers are those that sent a drift
     known = comm.wait(DeltaExchange(comm, None, False, [0, 1, 2]).start(_trainer(), 0, slots, {2}, healthy=2))
     assert known.drift.worker_sq == {0: 4.0, 1: 36.0} and known.reports == {}
+
+
+class _EveryoneGone(LocalCommunicator):
+    """A fault-tolerant transport whose exchange failed on every try: every worker reads as absent."""
+
+    def absent_from_last(self):
+        return frozenset({0, 1, 2})
+
+
+def test_an_exchange_nobody_was_present_at_is_dropped_and_changes_no_fragment():
+    from adloco.config_sections import StreamingConfig
+    from adloco.sync.streaming import StreamingSync
+
+    slots = {0: _Slot(-1.0), 1: _Slot(-2.0), 2: _Slot(-3.0)}
+    gone = _EveryoneGone()
+    dropped = gone.wait(DeltaExchange(gone, None, False, [0, 1, 2]).start(_trainer(), 0, slots, set(), _reports(())))
+    comm = LocalCommunicator()
+    done = comm.wait(DeltaExchange(comm, None, False, [0, 1, 2]).start(_trainer(), 0, slots, set(), _reports(())))
+    assert dropped.dropped and not done.dropped
+    trainer = _trainer()
+    stream = StreamingConfig(fragments=1, overlap=0, alpha=0.0)
+    sync = StreamingSync(comm, {0: trainer}, slots, DeltaExchange(comm, None, False, [0, 1, 2]), stream=stream,
+                         sync_every=4)  # fmt: skip
+    sync._apply(trainer, 0, dropped, alpha=0.0)
+    assert torch.equal(trainer.theta[0], torch.zeros(4)) and torch.equal(slots[0].params[0], torch.full((4,), -1.0))
+    sync._apply(trainer, 0, done, alpha=0.0)
+    assert torch.equal(trainer.theta[0], torch.full((4,), -2.0))  # outer SGD lr 1, no momentum: θ − mean Δ

@@ -103,8 +103,8 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         may only shrink: a replica joining now would have no round to contribute) after a failure; None when
         every try failed."""
         for attempt in range(self.retries + 1):
-            if attempt:
-                self.manager.start_quorum(shrink_only=True)
+            if attempt:  # no heal mid-round: a replica that fell behind would go on in a round it did not start
+                self.manager.start_quorum(shrink_only=True, allow_heal=False)
             buffer = pack_slot(own, self.rank, self.world_size, self.device)
             exchanged = self._all_reduce(buffer)
             if self.manager.should_commit() and exchanged:

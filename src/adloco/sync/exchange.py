@@ -42,6 +42,7 @@ class Exchanged:
     mean: list[torch.Tensor]
     reports: dict[int, torch.Tensor]
     drift: Drift = field(default_factory=Drift)
+    dropped: bool = False  # every worker absent: a fault-tolerant exchange that failed on every try
 
 
 def healthy_weight(reports: Mapping[int, torch.Tensor], weights: Mapping[int, float]) -> float:
@@ -63,7 +64,7 @@ def squared_norm(tensors: Sequence[torch.Tensor]) -> float:
 
 
 def _exchanged(
-    mean: list[torch.Tensor], gathered: Gathered, reported: bool, width: int, device: torch.device
+    mean: list[torch.Tensor], gathered: Gathered, reported: bool, width: int, device: torch.device, workers: int
 ) -> Exchanged:
     """Split each row into the worker's report and its ‖Δ_i‖² (the row's last value). A report's first value says
     whether the worker was out; without reports (the caller knew who was healthy) a worker that sent zeros was.
@@ -76,7 +77,8 @@ def _exchanged(
         rows.update(dict.fromkeys(gathered.absent, absent))
     healthy = {w: float(r[-1]) for w, r in rows.items() if (r[0].item() == 0.0 if reported else r[-1].item() > 0.0)}
     reports = {w: r[:-1] for w, r in rows.items()} if reported else {}
-    return Exchanged(mean=mean, reports=reports, drift=Drift(healthy, squared_norm(mean)))
+    dropped = len(gathered.absent) >= workers
+    return Exchanged(mean=mean, reports=reports, drift=Drift(healthy, squared_norm(mean)), dropped=dropped)
 
 
 def _deltas(
@@ -163,7 +165,7 @@ class DeltaExchange:
                 gathered: Gathered = done.wait()
                 assert gathered.total is not None
                 mean = [t.div_(divisor(gathered)) for t in gathered.total]
-                return _exchanged(mean, gathered, reported, width, device)
+                return _exchanged(mean, gathered, reported, width, device, len(trainer.worker_ids))
 
             return self.comm.sum_with_reports(local, rows, trainer.worker_ids).then(averaged)
         key = f"{trainer.trainer_id}/{index}"
@@ -176,7 +178,7 @@ class DeltaExchange:
             assert gathered.rows is not None and self.codec is not None
             encoded = [Encoded(codes=c, scales=s if s.numel() else None, numel=numel) for c, s in gathered.rows]
             flat = decode_and_average(encoded, self.codec, divisor=divisor(gathered))
-            return _exchanged(unflatten(flat, like), gathered, reported, width, device)
+            return _exchanged(unflatten(flat, like), gathered, reported, width, device, len(trainer.worker_ids))
 
         return self.comm.gather_with_reports(payloads, rows, trainer.worker_ids).then(decode)
 

@@ -86,11 +86,17 @@ class OverlappedSync(DeltaStrategy):
         for trainer in self.taking_part():
             self.gather_reports(state, trainer)
             key = trainer.trainer_id
-            arrived = self.applied(trainer, self.comm.wait(self.pending.pop(key))) if key in self.pending else None
+            arrived = self._arrived(trainer, self.pending.pop(key)) if key in self.pending else None
             fresh: dict[int, list[torch.Tensor]] = {}
             if not self.mark_skipped(state, trainer):
                 fresh = self._send(state, trainer)
             self._apply(trainer, arrived, fresh)
+
+    def _arrived(self, trainer: Trainer, future: Future) -> list[torch.Tensor] | None:
+        """The mean Δ sent a round ago; None when that exchange was dropped (it failed on every try): no outer step
+        takes it, and an eager worker takes back the share it had applied of it."""
+        exchanged = self.comm.wait(future)
+        return None if exchanged.dropped else self.applied(trainer, exchanged)
 
     def _send(self, state: RoundState, trainer: Trainer) -> dict[int, list[torch.Tensor]]:
         """Start this round's exchange; return each eager worker's fresh share of the mean it will become."""
@@ -126,7 +132,9 @@ class OverlappedSync(DeltaStrategy):
     def flush(self) -> None:
         for key in sorted(self.pending):
             trainer = self.trainers[key]
-            trainer.outer_step(0, self.applied(trainer, self.comm.wait(self.pending.pop(key))))
+            arrived = self._arrived(trainer, self.pending.pop(key))
+            if arrived is not None:
+                trainer.outer_step(0, arrived)
             trainer.broadcast(self.workers)
 
     def worker_state(self, worker_id: int) -> dict:

@@ -1,17 +1,22 @@
 """The HF Trainer and Lightning made DiLoCo by adloco's integrations, under torchrun with 2 ranks: each equals, bit
 for bit, a plain loop with adloco.DiLoCo over the framework's own data order, optimizer, schedule and loss, and its
 ranks drift apart within a round (no per-step gradient all-reduce left) and agree at every round's end. A run
-resumed from the framework's own mid-round checkpoint ends on the same bits."""
+resumed from the framework's own mid-round checkpoint ends on the same bits. As fault-tolerant replicas (plain
+processes, an ``adloco lighthouse`` between them) a killed one started again heals and follows the job's step."""
 
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.api.test_replica import DEADLINE_S, _finish, _lighthouse, needs_torchft
 from tests.comm.test_distributed import _env, _free_port
+from tests.integrations import replica_run
 
 HERE = Path(__file__).resolve().parent
 SYNC_EVERY = 4
@@ -64,16 +69,57 @@ def test_a_lightning_fit_resumed_from_a_checkpoint_without_diloco_state_is_refus
         fit([DiLoCoCallback(sync_every=2)], 4, ckpt_path=saved)
 
 
-def test_fault_tolerant_replicas_are_refused_by_the_frameworks_for_now(tmp_path):
-    from adloco.integrations.lightning import DiLoCoCallback
+@pytest.mark.parametrize("framework", ["Trainer", "Lightning"])
+def test_a_framework_replica_is_one_plain_process_and_is_not_resumed_from_its_checkpoint(framework):
+    from adloco.integrations.replicas import check_replica_launch
 
-    ft = {"lighthouse": "http://127.0.0.1:1", "replica": 0, "replicas": 2}
-    with pytest.raises(ValueError, match="a loop of your own"):
-        DiLoCoCallback(sync_every=4, fault_tolerance=ft)
-    from transformers import Trainer, TrainingArguments
+    ft = {"fault_tolerance": {"lighthouse": "http://127.0.0.1:1", "replica": 0, "replicas": 2}}
+    with pytest.raises(ValueError, match=f"the {framework} runs 2: start each replica as a plain process"):
+        check_replica_launch(ft, 2, False, framework)
+    with pytest.raises(ValueError, match="heals from its peers when it starts again; resuming"):
+        check_replica_launch(ft, 1, True, framework)
+    check_replica_launch({"fault_tolerance": None}, 2, True, framework)  # not a replica: torchrun and resume
 
-    from adloco.integrations.hf import use_diloco
 
-    trainer = Trainer(model=torch.nn.Linear(2, 1), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))
-    with pytest.raises(ValueError, match="a loop of your own"):
-        use_diloco(trainer, sync_every=4, fault_tolerance=ft)
+@needs_torchft
+def test_framework_replicas_killed_mid_round_heal_and_follow_the_jobs_step_and_schedule(tmp_path):
+    """Three replicas of one job: replica 0 an HF Trainer that survives; replica 1 a Lightning fit and replica 2 a
+    Trainer, each SIGKILLed mid-round and started again. A restarted one heals from a peer, its framework's step and
+    learning-rate schedule move to the peers' step, it ends with them (max_steps) and on their θ, bit for bit."""
+    deadline = time.monotonic() + DEADLINE_S
+    frameworks = {0: "hf", 1: "lightning", 2: "hf"}
+    slow = ["--step-seconds", "0.15"]
+    lighthouse, address = _lighthouse(min_replicas=1)
+    try:
+        survivor = _framework_replica(tmp_path, 0, frameworks[0], address, *slow)
+        doomed = [_framework_replica(tmp_path, r, frameworks[r], address, "--die-after", "6", *slow) for r in (1, 2)]
+        assert _finish(doomed, deadline) == [-9, -9]
+        back = [_framework_replica(tmp_path, r, frameworks[r], address, *slow) for r in (1, 2)]
+        assert _finish([survivor, *back], deadline) == [0, 0, 0]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    results = {r: json.loads((tmp_path / f"replica{r}.json").read_text()) for r in range(3)}
+    steps, sync_every = replica_run.STEPS, replica_run.SYNC_EVERY
+    assert all(result["steps"] == steps for result in results.values())
+    assert any(h["absent"] for h in results[0]["history"])  # the survivor went on without the dead
+    for r in (1, 2):
+        framework_step, diloco_step = results[r]["start"]
+        assert framework_step == diloco_step and diloco_step > 6 and diloco_step % sync_every == 0
+        assert results[r]["history"][0]["healed"]
+        assert _theta_same(torch.load(tmp_path / f"replica{r}.pt"), torch.load(tmp_path / "replica0.pt"))
+    assert results[2]["lr"] == results[0]["lr"]  # the Trainer's linear schedule, at max_steps on both
+    assert results[1]["lr"] == pytest.approx(replica_run.LR * (1 - steps / (2 * steps)))  # Lightning's, at its end
+
+
+def _framework_replica(out: Path, replica: int, framework: str, lighthouse: str, *flags: str) -> subprocess.Popen:
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parents[1]), env.get("PYTHONPATH")) if p)
+    env["RUST_LOG"] = "error"
+    command = [sys.executable, str(HERE / "replica_run.py"), str(out), framework, "--replica", str(replica)]
+    command += ["--lighthouse", lighthouse, *flags]
+    return subprocess.Popen(command, env=env, cwd=out, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _theta_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

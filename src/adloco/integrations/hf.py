@@ -7,6 +7,11 @@ Trainer's optimizer steps, and hands θ back to the model when training ends, so
 model DiLoCo trained. Each optimizer step is one inner step (after gradient accumulation). The Trainer's
 ``average_tokens_across_devices`` (on by default) would gather a token count across ranks every step: ``use_diloco``
 turns it off.
+
+As a fault-tolerant replica (``fault_tolerance=...``), each replica is a Trainer of its own in a plain process (not
+torchrun), reading its own dataset. A replica that starts while the others train heals from one of them and takes
+their step: the callback moves the Trainer's ``global_step`` and learning-rate schedule forward to it, so
+``max_steps``, the schedule and the save steps follow the job's step.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from transformers import Trainer, TrainerCallback
 
 from adloco.api import DiLoCo
 from adloco.integrations.ddp import keep_gradients_local
+from adloco.integrations.replicas import advance_schedules, check_replica_launch, steps_behind
 
 STATE_FILE = "adloco_diloco_rank{rank}.pt"  # in each of the Trainer's checkpoint folders, one per rank
 
@@ -33,22 +39,21 @@ class DiLoCoCallback(TrainerCallback):
     def __init__(self, trainer: Trainer, sync_every: int | str = 10, method: str = "diloco", **settings: Any) -> None:
         if method == "ddp":
             raise ValueError("method='ddp' is what the Trainer does by itself under torchrun; use it without adloco")
-        if settings.get("fault_tolerance") is not None:  # a heal moves the loop's step, which the Trainer keeps itself
-            raise ValueError(
-                "fault_tolerance: replicas run in a loop of your own for now (adloco.DiLoCo), not the Trainer"
-            )
         self.trainer = trainer
         self.settings = {"sync_every": sync_every, "method": method, **settings}
         self.diloco: DiLoCo | None = None
         self.inner: torch.optim.Optimizer | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model=None, optimizer=None, **kwargs: Any) -> None:
-        keep_gradients_local(self.trainer.model_wrapped, self.trainer.accelerator.num_processes)
+        processes = self.trainer.accelerator.num_processes
+        check_replica_launch(self.settings, processes, state.global_step > 0, "Trainer")
+        keep_gradients_local(self.trainer.model_wrapped, processes)
         self.inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
         scaled = getattr(self.trainer.accelerator, "scaler", None) is not None
         self.diloco = DiLoCo(model, self.inner, check_finite=not scaled, **self.settings)
         if state.global_step > 0:  # a run resumed from the Trainer's checkpoint
             self._restore(Path(args.output_dir) / f"checkpoint-{state.global_step}", model)
+        self._follow_heal(state, control)
 
     def _restore(self, folder: Path, model: torch.nn.Module) -> None:
         assert self.diloco is not None and self.inner is not None
@@ -71,6 +76,18 @@ class DiLoCoCallback(TrainerCallback):
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         assert self.diloco is not None
         self.diloco.step()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._follow_heal(state, control)
+
+    def _follow_heal(self, state: Any, control: Any) -> None:
+        """A replica that healed from a peer goes on from the peers' step: the Trainer's too, with its schedule."""
+        behind = steps_behind(self.diloco, state.global_step)
+        if behind:
+            state.global_step += behind
+            advance_schedules([self.trainer.lr_scheduler], behind)
+            if state.global_step >= state.max_steps:
+                control.should_training_stop = True
 
     def on_save(self, args: Any, state: Any, control: Any, model=None, **kwargs: Any) -> None:
         assert self.diloco is not None and self.inner is not None

@@ -10,6 +10,11 @@ is installed (``lightning`` first); one optimizer, automatic optimization.
 Lightning writes rank 0's checkpoint only, while within a round every rank's model and optimizer are its own: the
 callback gathers each rank's model, optimizer and DiLoCo state into the checkpoint (``adloco_diloco``, one entry
 per rank), and a fit resumed from it (``ckpt_path``) gives every rank its own back.
+
+As a fault-tolerant replica (``fault_tolerance=...``), each replica is a fit of its own on one device in a plain
+process (not torchrun), reading its own data. A replica that starts while the others train heals from one of them
+and takes their step: the callback moves Lightning's ``global_step`` and its per-step learning-rate schedules
+forward to it, so ``max_steps`` and the schedule follow the job's step.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 
 from adloco.api import DiLoCo
 from adloco.integrations.ddp import keep_gradients_local
+from adloco.integrations.replicas import advance_schedules, check_replica_launch, steps_behind
 
 try:
     import lightning.pytorch as pl
@@ -33,12 +39,6 @@ class DiLoCoCallback(pl.Callback):
     def __init__(self, sync_every: int | str = 10, method: str = "diloco", **settings: Any) -> None:
         if method == "ddp":
             raise ValueError("method='ddp' is Lightning's own DDP strategy; use it without adloco")
-        if (
-            settings.get("fault_tolerance") is not None
-        ):  # a heal moves the loop's step, which the Lightning keeps itself
-            raise ValueError(
-                "fault_tolerance: replicas run in a loop of your own for now (adloco.DiLoCo), not the Lightning"
-            )
         self.settings = {"sync_every": sync_every, "method": method, **settings}
         self.diloco: DiLoCo | None = None
         self._resumed: dict[str, Any] | None = None  # this rank's state from the checkpoint a fit resumes from
@@ -51,6 +51,7 @@ class DiLoCoCallback(pl.Callback):
                 f"resuming at step {trainer.global_step} from a checkpoint without DiLoCo's state (written by a fit "
                 "without DiLoCoCallback): every rank's own model, optimizer and DiLoCo state are needed"
             )
+        check_replica_launch(self.settings, trainer.world_size, trainer.global_step > 0, "Lightning Trainer")
         keep_gradients_local(trainer.strategy.model, trainer.world_size)
         optimizer = trainer.optimizers[0]
         self.diloco = DiLoCo(pl_module, optimizer, **self.settings).hook(before=False)
@@ -59,6 +60,7 @@ class DiLoCoCallback(pl.Callback):
             optimizer.load_state_dict(self._resumed["optimizer"])
             self.diloco.load_state_dict(self._resumed["diloco"])
             self._resumed = None
+        _follow_heal(trainer, self.diloco)
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         if self.diloco is None:
@@ -84,6 +86,9 @@ class DiLoCoCallback(pl.Callback):
         if self.diloco is not None:
             self.diloco.before_step()
 
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        _follow_heal(trainer, self.diloco)
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.diloco is not None:
             self.diloco.__exit__(None, None, None)
@@ -91,6 +96,21 @@ class DiLoCoCallback(pl.Callback):
 
 
 STATE_KEY = "adloco_diloco"
+
+
+def _follow_heal(trainer: Any, diloco: DiLoCo | None) -> None:
+    """A replica that healed from a peer goes on from the peers' step: Lightning's step counter (its optimizer
+    steps, and the logger's step) and its per-step schedules too."""
+    behind = steps_behind(diloco, trainer.global_step)
+    if not behind:
+        return
+    epoch_loop = trainer.fit_loop.epoch_loop
+    counted = epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    counted.ready += behind
+    counted.completed += behind
+    epoch_loop._batches_that_stepped += behind
+    per_step = [c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step" and c.frequency == 1]
+    advance_schedules(per_step, behind)
 
 
 def _on_cpu(value: Any) -> Any:

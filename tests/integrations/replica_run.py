@@ -1,0 +1,139 @@
+"""One fault-tolerant replica trained by a framework: an HF ``Trainer`` or a Lightning fit, in a plain process.
+
+    python replica_run.py OUT hf|lightning --replica I --lighthouse ADDR [--die-after N] [--step-seconds T]
+
+Replica I reads its own shard of the windows. ``--die-after N`` SIGKILLs the process after it took N optimizer
+steps (mid-round when N is not a multiple of H); ``--step-seconds`` makes each step take that much longer, so the
+others are still training when a killed replica comes back. At the end it writes θ (``OUT/replica<I>.pt``) and
+``OUT/replica<I>.json``: the framework's step when training began and at the end (after a heal, the peers'),
+DiLoCo's step when training began, the last learning rate, and the rounds' records.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from adloco.integrations.hf import use_diloco
+from tests.integrations.hf_trainer_run import Windows, tiny_llama
+
+STEPS, SYNC_EVERY, REPLICAS, LR = 120, 4, 3, 1e-3
+
+
+class Shard(torch.utils.data.Dataset):
+    """Replica ``replica``'s windows: every REPLICAS-th one of the corpus."""
+
+    def __init__(self, replica: int) -> None:
+        self.rows = Windows(48 * REPLICAS).rows[replica::REPLICAS]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.rows[index], "labels": self.rows[index]}
+
+
+class Fate:
+    """The steps a replica takes: each made ``seconds`` longer, and the process killed after ``die_after``."""
+
+    def __init__(self, die_after: int | None, seconds: float) -> None:
+        self.die_after, self.seconds, self.taken = die_after, seconds, 0
+
+    def step(self) -> None:
+        self.taken += 1
+        if self.taken == self.die_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.seconds)
+
+
+def run_hf(replica: int, ft: dict, fate: Fate, out: Path) -> dict:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Watch(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs) -> None:
+            self.start = (state.global_step, callback.diloco.inner_step)
+
+        def on_step_end(self, args, state, control, **kwargs) -> None:
+            fate.step()
+
+    args = TrainingArguments(
+        output_dir=str(out / f"hf{replica}"), per_device_train_batch_size=2, max_steps=STEPS, learning_rate=LR,
+        use_cpu=True, report_to=[], logging_strategy="no", save_strategy="no", disable_tqdm=True, seed=0,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Shard(replica))
+    callback = use_diloco(trainer, sync_every=SYNC_EVERY, fault_tolerance=ft)
+    watch = Watch()
+    trainer.add_callback(watch)  # after DiLoCo's: it sees the Trainer's step once a heal moved it
+    trainer.train()
+    lr = trainer.lr_scheduler.get_last_lr()[0]
+    return _result(trainer.model, callback.diloco, watch.start, trainer.state.global_step, lr)
+
+
+def run_lightning(replica: int, ft: dict, fate: Fate, out: Path) -> dict:
+    from torch.utils.data import DataLoader
+
+    from adloco.integrations.lightning import DiLoCoCallback, pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_llama()
+
+        def training_step(self, batch: dict, index: int) -> torch.Tensor:
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.AdamW(self.parameters(), lr=LR)
+            decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / (2 * STEPS))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+    class Watch(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.start = (trainer.global_step, callback.diloco.inner_step)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, index) -> None:
+            fate.step()
+
+    callback, watch = DiLoCoCallback(sync_every=SYNC_EVERY, fault_tolerance=ft), Watch()
+    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, enable_checkpointing=False,
+                         callbacks=[callback, watch], **quiet)  # fmt: skip
+    module = Module()
+    trainer.fit(module, DataLoader(Shard(replica), batch_size=2, shuffle=True))
+    lr = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+    return _result(module.model, callback.diloco, watch.start, trainer.global_step, lr)
+
+
+def _result(model: torch.nn.Module, diloco, start: tuple[int, int], steps: int, lr: float) -> dict:
+    theta = [p.detach().clone() for p in model.parameters()]
+    history = [vars(record) for record in diloco.replica.history]
+    return {"theta": theta, "start": list(start), "steps": steps, "lr": lr, "history": history}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("framework", choices=["hf", "lightning"])
+    parser.add_argument("--replica", type=int, required=True)
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--die-after", type=int, default=None)
+    parser.add_argument("--step-seconds", type=float, default=0.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    ft = {"lighthouse": args.lighthouse, "replica": args.replica, "replicas": REPLICAS, "host": "127.0.0.1",
+          "exchange_timeout_s": 20.0, "quorum_timeout_s": 60.0}  # fmt: skip
+    out, fate = Path(args.out), Fate(args.die_after, args.step_seconds)
+    run = run_hf if args.framework == "hf" else run_lightning
+    result = run(args.replica, ft, fate, out)
+    torch.save(result.pop("theta"), out / f"replica{args.replica}.pt")
+    (out / f"replica{args.replica}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -304,10 +304,10 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"fault_tolerance.min_replicas ({ft.min_replicas}) is larger than replicas ({ft.replicas})"
             )
-        if self.method not in ("diloco", "localsgd", "streaming") or self.trainers != 1:
+        if self.method == "ddp" or self.trainers != 1:
             raise ValueError(
-                "fault_tolerance: replicas run DiLoCo (outer.overlap too), LocalSGD or streaming of one trainer for "
-                f"now (method={self.method}, trainers={self.trainers})"
+                "fault_tolerance: replicas run DiLoCo (outer.overlap too), LocalSGD, streaming or AdLoCo of one "
+                f"trainer for now (method={self.method}, trainers={self.trainers})"
             )
         if self.sync_every == "auto" and (self.method == "streaming" or self.outer.overlap != "none"):
             raise ValueError(

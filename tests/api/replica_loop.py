@@ -2,7 +2,7 @@
 
 ``python replica_loop.py OUT --replica I --replicas N --lighthouse ADDR [--steps S] [--die-after N]
 [--step-seconds T] [--min-replicas M] [--device cpu|cuda] [--backend auto|gloo|nccl] [--method diloco|streaming]
-[--overlap none|delayed|eager] [--plain]``. Worker I's
+[--overlap none|delayed|eager] [--plain]`` (``--method adloco``: its adaptive batch, on pinned costs). Worker I's
 samples at inner step s are drawn from a generator seeded by (I, s) on the CPU, so a replica that joins mid-run
 reads exactly the samples of the steps it takes (from ``diloco.inner_step``, which it healed from a peer), and none
 of the steps before, on any device. ``--die-after N`` kills the process (SIGKILL, no clean-up) after it took N
@@ -30,9 +30,13 @@ def model(seed: int = 0, device: str = "cpu") -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(device)
 
 
-def batch(worker: int, step: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+# AdLoCo's batch grows on pinned step and round costs, so every launch decides alike
+ADAPTIVE = {"size": 2, "b_cap": 32, "step_seconds": [0.01, 0.001], "round_seconds": 0.05, "min_steps_left": 1}
+
+
+def batch(worker: int, step: int, device: str = "cpu", size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1_000_003 * worker + step)
-    x = torch.randn(16, 8, generator=generator).to(device)
+    x = torch.randn(size, 8, generator=generator).to(device)
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
@@ -51,12 +55,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--die-after", type=int, default=None)
     parser.add_argument("--hang-after", type=int, default=None, help="SIGSTOP itself after N steps (a hung process)")
+    parser.add_argument("--perturb-at", type=int, default=None, help="add 0.5 to θ's first tensor at step N (a "
+                        "replica that trained apart from its peers, as in a job split into two quorums)")  # fmt: skip
     parser.add_argument("--exchange-timeout", type=float, default=20.0)
     parser.add_argument("--step-seconds", type=float, default=0.0)
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="where the model trains (cuda: every process on GPU 0)")
     parser.add_argument("--backend", default="auto", help="the replicas' exchange: auto, gloo or nccl")
-    parser.add_argument("--method", default="diloco", help="diloco, or streaming (2 fragments, tau 1)")
+    parser.add_argument("--method", default="diloco", help="diloco, streaming (2 fragments, tau 1) or adloco")
     parser.add_argument("--overlap", default="none", help="outer.overlap: none, delayed or eager")
     parser.add_argument("--plain", action="store_true", help="a torchrun rank over the default group instead")
     args = parser.parse_args()
@@ -73,18 +79,29 @@ def main() -> None:
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     started = time.monotonic()
     outer = {"overlap": args.overlap} if args.overlap != "none" else None
-    diloco = DiLoCo(net, optimizer, sync_every=H, method=args.method, outer=outer, fault_tolerance=ft)
+    adaptive = {"batch": ADAPTIVE, "total_samples": 16 * 3 * args.steps} if args.method == "adloco" else {}
+    diloco = DiLoCo(net, optimizer, sync_every=H, method=args.method, outer=outer, fault_tolerance=ft, **adaptive)
     joined = time.monotonic() - started
     first_step = diloco.inner_step
+    sizes = []  # AdLoCo: each round's b
     with diloco:
         while diloco.inner_step < args.steps:
             if args.die_after is not None and diloco.inner_step - first_step == args.die_after:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.hang_after is not None and diloco.inner_step - first_step == args.hang_after:
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if args.perturb_at is not None and diloco.inner_step == args.perturb_at:
+                with torch.no_grad():
+                    diloco.theta[0].add_(0.5)
             time.sleep(args.step_seconds)
-            x, y = batch(replica, diloco.inner_step, args.device)
-            torch.nn.functional.mse_loss(net(x), y).backward()
+            if diloco.batch is None:
+                x, y = batch(replica, diloco.inner_step, args.device)
+                torch.nn.functional.mse_loss(net(x), y).backward()
+            else:  # as many samples as the batch asks for, its backward measuring on a statistics step
+                if diloco.round_step == 0:
+                    sizes.append(diloco.batch.size)
+                x, y = batch(replica, diloco.inner_step, args.device, diloco.batch.samples)
+                diloco.batch.backward(lambda x, y: torch.nn.functional.mse_loss(net(x), y), x, y)
             optimizer.step()
             optimizer.zero_grad()
     diloco.finish()
@@ -92,7 +109,7 @@ def main() -> None:
     torch.save([p.detach().cpu() for p in net.parameters()], out / f"replica{replica}.pt")
     history = [vars(r) for r in diloco.replica.history] if diloco.replica is not None else []
     result = {"first_step": first_step, "steps": diloco.inner_step, "rounds": diloco.rounds.count,
-              "joined_seconds": joined, "history": history, "loss": held_out_loss(net)}  # fmt: skip
+              "joined_seconds": joined, "history": history, "loss": held_out_loss(net), "sizes": sizes}  # fmt: skip
     (out / f"replica{replica}.json").write_text(json.dumps(result))
     if args.plain:
         torch.distributed.destroy_process_group()

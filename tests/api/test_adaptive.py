@@ -146,3 +146,20 @@ def test_what_a_users_loop_cannot_do_is_one_clear_error():
         DiLoCo(model, optimizer, 2, "ddp", batch={"test": "norm"})
     with pytest.raises(ConfigError, match="step_seconds"):
         DiLoCo(model, optimizer, 2, "adloco", batch={"step_seconds": [[0.1, 0.01], [0.1, 0.01]]})
+
+
+def test_a_worker_absent_from_the_round_counts_no_samples_and_no_statistics():
+    """A fault-tolerant replica missing from a round's exchange (its report the absent one) read nothing: the
+    budget counts the present workers' samples only, and the batch test decides from theirs."""
+    from adloco.sync.rounds import RoundState, WorkerRound, absent_report
+
+    model = _model()
+    diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, "adloco", batch={"size": 3})
+    absent = WorkerRound.from_tensor(absent_report(WorkerRound(steps=[]).to_tensor().numel()))
+    assert absent.absent and absent.out and not WorkerRound(out=True).absent  # out of the round is not absent
+    state = RoundState(index=1, steps=2, first_step=2, statistics_due=False, reports={0: absent})
+    diloco.batch.account(state, steps=2)
+    assert diloco.batch.samples_done == 0
+    state.reports = {0: WorkerRound()}
+    diloco.batch.account(state, steps=2)
+    assert diloco.batch.samples_done == 2 * 3

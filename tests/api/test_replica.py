@@ -28,6 +28,7 @@ _METHOD_FLAGS = {
     "diloco": [],
     "streaming": ["--method", "streaming"],  # 2 fragments, τ = 1
     "eager": ["--overlap", "eager"],  # outer.overlap: Δ in flight for a round, each worker's own share at once
+    "adloco": ["--method", "adloco"],  # the adaptive batch, its time-aware controller on pinned costs
 }
 DEVICE = ["--device", os.environ.get("ADLOCO_TEST_DEVICE", "cpu"), "--backend", "gloo"]
 
@@ -61,7 +62,7 @@ def test_slots_carry_each_present_row_bit_for_bit_and_mark_the_absent():
         (["fault_tolerance.replica=0"], "replica, replicas"),
         (["fault_tolerance.replica=3", "fault_tolerance.replicas=3"], "is not below replicas"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "fault_tolerance.min_replicas=3"], "larger"),
-        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "method=adloco"], "LocalSGD or streaming"),
+        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "method=ddp"], "streaming or AdLoCo"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "trainers=2"], "one trainer"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "method=streaming", "sync_every=auto"], "H\\)"),
     ],
@@ -74,8 +75,8 @@ def test_bad_fault_tolerance_settings_are_one_line_errors(overrides, fragment):
 def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
     ft = {"lighthouse": "http://127.0.0.1:1", "replica": 0, "replicas": 2}
     model = torch.nn.Linear(2, 1)
-    with pytest.raises(ValueError, match="one trainer with the loop's own batch"):
-        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=ft, batch={"size": 2})
+    with pytest.raises(ValueError, match="one trainer for now"):
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=ft, trainers=2)
     cli = adloco_process("train", "fault_tolerance.lighthouse=http://127.0.0.1:1", "fault_tolerance.replica=0",
                          "fault_tolerance.replicas=2", cwd=tmp_path)  # fmt: skip
     assert cli.returncode == 2 and "does not run fault-tolerant replicas yet" in cli.stderr
@@ -132,7 +133,7 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @needs_torchft
-@pytest.mark.parametrize("method", ["diloco", "streaming"])
+@pytest.mark.parametrize("method", ["diloco", "streaming", "adloco"])
 def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path, method):
     plain, ft = tmp_path / "plain", tmp_path / "ft"
     plain.mkdir(), ft.mkdir()
@@ -154,13 +155,15 @@ def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path,
         assert _same(_theta(ft, r), _theta(plain, 0))
         history = json.loads((ft / f"replica{r}.json").read_text())["history"]
         assert [h["participants"] for h in history] == [3] * 3 and all(h["committed"] for h in history)
+        assert not any(h["diverged"] for h in history)  # every θ digest alike at every exchange
 
 
 @needs_torchft
-@pytest.mark.parametrize("method", ["streaming", "eager"])  # plain DiLoCo's: the frameworks' replica test
+@pytest.mark.parametrize("method", ["streaming", "eager", "adloco"])  # plain DiLoCo's: the frameworks' replica test
 def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_peer(tmp_path, method):
     """Streaming: the replica dies between its round's two fragment exchanges (steps 2 and 4 of each round) and
-    rejoins at a round's start with fragment 0's exchange of the round before still to apply (τ = 1)."""
+    rejoins at a round's start with fragment 0's exchange of the round before still to apply (τ = 1). AdLoCo: the
+    batch grows while it is away, and it heals with the batch its peers reached."""
     deadline = time.monotonic() + DEADLINE_S
     steps = ["--steps", "120", "--min-replicas", "2", "--step-seconds", "0.1", *_METHOD_FLAGS[method]]
     lighthouse, address = _lighthouse(min_replicas=2)
@@ -187,6 +190,10 @@ def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_p
     assert first["healed"] and first["round"] == rejoined["first_step"] // 4 and rejoined["joined_seconds"] < 30
     # from there on it trained with them: all three end on the same θ
     assert _same(_theta(tmp_path, 2), _theta(tmp_path, 0)) and _same(_theta(tmp_path, 1), _theta(tmp_path, 0))
+    if method == "adloco":  # each round's b, alike on every replica from the round the rejoined one came back at
+        sizes = [r["sizes"] for r in results]
+        assert sizes[2] == sizes[0][-len(sizes[2]) :] == sizes[1][-len(sizes[2]) :]
+        assert sizes[2][0] > sizes[0][0]  # b had grown while it was away
 
 
 def _histories(out: Path, replicas) -> list[list[dict]]:
@@ -198,7 +205,9 @@ def _histories(out: Path, replicas) -> list[list[dict]]:
 def test_the_others_train_on_through(tmp_path, fault):
     """A hung replica is cut off after the exchange timeout (streaming: at a fragment's exchange); a lone survivor
     trains alone (with eager outer updates: the round's reports travel apart from Δ, and the dead are absent from
-    both); a Lighthouse restarted on its address is found again by every replica."""
+    both); a Lighthouse restarted on its address is found again by every replica. A replica whose θ is not its
+    peers' (as after a restarted Lighthouse formed two quorums that trained apart; here replica 2's θ is moved at
+    step 20) finds it at the round's exchange and heals from a peer at the next round."""
     deadline = time.monotonic() + DEADLINE_S
     method = {"a hung replica": "streaming", "two replicas dying in one round": "eager"}.get(fault, "diloco")
     steps = ["--steps", "80", "--step-seconds", "0.05", "--exchange-timeout", "4", *_METHOD_FLAGS[method]]
@@ -207,7 +216,7 @@ def test_the_others_train_on_through(tmp_path, fault):
     flags = {
         "a hung replica": {2: ["--hang-after", "14"]},
         "two replicas dying in one round": {1: ["--die-after", "14"], 2: ["--die-after", "14"]},
-        "a restarted lighthouse": {},
+        "a restarted lighthouse": {2: ["--perturb-at", "20"]},
     }[fault]
     try:
         procs = {r: _replica(tmp_path, r, address, *steps, *flags.get(r, [])) for r in range(3)}
@@ -217,16 +226,21 @@ def test_the_others_train_on_through(tmp_path, fault):
             lighthouse.wait(timeout=30)
             time.sleep(1.0)
             lighthouse, _ = _lighthouse(min_replicas=1, port=port)
-        survivors = [r for r in range(3) if r not in flags]
+        survivors = [r for r in range(3) if r not in flags or fault == "a restarted lighthouse"]
         assert _finish([procs[r] for r in survivors], deadline) == [0] * len(survivors)
-        for r in flags:
+        for r in set(flags) - set(survivors):
             procs[r].kill()  # the hung one (SIGKILL ends a stopped process too); the dead are gone already
             procs[r].wait()
     finally:
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
-    for history in _histories(tmp_path, survivors):
+    histories = _histories(tmp_path, survivors)
+    for history in histories:
         assert all(h["committed"] for h in history)
-        assert sorted(flags) == (history[-1]["absent"] if flags else [])  # the faulty ones are left out at the end
+        assert sorted(set(flags) - set(survivors)) == history[-1]["absent"]  # the faulty ones are left out at the end
+    if fault == "a restarted lighthouse":  # replica 2 found it at the exchange of round 5 (steps 20-23), healed next
+        moved = histories[2]
+        split = next(i for i, h in enumerate(moved) if h["round"] == 20 // 4)
+        assert moved[split]["diverged"] and moved[split + 1]["healed"]
     thetas = [_theta(tmp_path, r) for r in survivors]
     assert all(_same(theta, thetas[0]) for theta in thetas)

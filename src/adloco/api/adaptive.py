@@ -189,20 +189,23 @@ class AdaptiveBatch:
         reports = {w: state.reports[w] for w in trainer.worker_ids}
         if self.costs is None and self.config.controller == "time":
             self.costs = _measured_costs(self.config, reports, dict.fromkeys(reports, self.plan.samples))
-        if state.statistics_due:  # the budget left after this round as planned (what it read counts from the next)
+        present = [r for r in reports.values() if not r.absent]  # a replica missing from the round measured nothing
+        if state.statistics_due and present:  # the budget left after this round as planned (read: from the next)
             planned = self.samples_done + steps * self.job_samples
             left = None if self.total_samples is None else self.total_samples - planned
             pace = pace_for(self.config, self.costs, trainer.worker_ids, self.sync_every, left, 1, self.total_workers)
-            self.policy.decide_from_reports(list(reports.values()), pace)
+            self.policy.decide_from_reports(present, pace)
 
     def account(self, state: RoundState, steps: int) -> None:
         """After every trainer's reports reached every rank: the samples the round read (the budget) and the
         costs they measured."""
-        for k, t in self.trainers.items():  # as the plans say, so every rank counts alike
+        for k, t in self.trainers.items():  # as the plans say, so every rank counts alike; an absent worker read none
             extra = max(self.plans[k].samples, 2) - self.plans[k].samples if state.statistics_due and steps else 0
-            self.samples_done += (steps * self.plans[k].samples + extra) * len(t.worker_ids)
+            present = sum(not state.reports[w].absent for w in t.worker_ids)
+            self.samples_done += (steps * self.plans[k].samples + extra) * present
         if self.costs is not None:
             reports = {w: state.reports[w] for t in self.trainers.values() for w in t.worker_ids}
+            reports = {w: r for w, r in reports.items() if not r.absent}
             samples = {w: self.plans[k].samples for k, t in self.trainers.items() for w in t.worker_ids}
             unmet = {w: r for w, r in reports.items() if w not in self.costs.base}  # another trainer's workers
             if unmet:
@@ -301,9 +304,13 @@ def _pinned_costs(batch: BatchConfig, world_size: int) -> CostModel | None:
 
 
 def _measured_costs(batch: BatchConfig, reports: Mapping[int, WorkerRound], samples: Mapping[int, int]) -> CostModel:
-    """Each worker's step cost from the first round's own steps (proportional to b until later rounds correct it)."""
+    """Each worker's step cost from the first round's own steps (proportional to b until later rounds correct it);
+    a worker absent from that round (a replica that died) is taken as slow as the slowest worker present."""
     base = {}
     for w, report in reports.items():
         seconds = report.step_seconds if math.isfinite(report.step_seconds) else 0.0
         base[w] = fit_step_cost([(samples[w], seconds)])
+    present = [base[w] for w, report in reports.items() if not report.absent]
+    for w in (w for w, report in reports.items() if report.absent and present):
+        base[w] = max(present, key=lambda cost: (cost.per_sample, cost.overhead))
     return CostModel(base, True, batch.round_seconds)

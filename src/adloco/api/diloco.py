@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from adloco.algorithms.batch_tests import BatchSizeController
+from adloco.algorithms.flat import bits_digest
 from adloco.algorithms.outer import OuterFactory
 from adloco.algorithms.sharding import local_rows
 from adloco.api.adaptive import AdaptiveBatch
@@ -142,6 +143,7 @@ class DiLoCo(LoopState):
             self.config = _replica_settings(method, sync_every, sections, trainers, process_group, self.shards)
             self.replica = Replica(self.config.fault_tolerance, self._shared_state, self._heal,
                                    lambda: self.rounds.count, device)  # fmt: skip
+            self.replica.comm.theta_digest = lambda: bits_digest(self.trainer.theta)  # a split job shows in it
             self.comm: Communicator = self.replica.comm
         else:
             self.comm = _communicator(process_group, device)
@@ -389,9 +391,9 @@ def _replica_settings(
     """The settings of a fault-tolerant replica: one worker per process, the job's size from the section."""
     if process_group is not None or shards is not None:
         raise ValueError("a fault-tolerant replica is one process of one worker: no process_group, no sharded model")
-    if sections["batch"] is not None or trainers != 1:
-        raise ValueError("fault-tolerant replicas run one trainer with the loop's own batch for now (no batch=, "
-                         "no trainers=)")  # fmt: skip
+    if trainers != 1:
+        raise ValueError("fault-tolerant replicas run one trainer for now (no trainers=): a merge with a trainer's "
+                         "replicas missing is not defined yet")  # fmt: skip
     replicas = sections["fault_tolerance"].get("replicas")
     return loop_settings(method, sync_every, replicas if isinstance(replicas, int) and replicas > 0 else 1, sections)
 

@@ -6,7 +6,8 @@ exchange over a process group the Manager reconfigures to them, without a restar
 again after it died) is held at that call until the running replicas end their round, then heals from one of
 them: θ, the outer optimizer state and the round counters; its inner optimizer starts afresh. A replica that dies
 mid-round is missing from the round's exchange: the exchange fails on the others, who retry it at once among
-themselves (a quorum that may only shrink) and commit the round without it; its slot reads as absent (out).
+themselves (a quorum that may only shrink) and commit the round without it; its slot reads as absent (out). A
+replica whose θ turns out unlike its peers' at an exchange (two quorums trained apart) heals at the next round.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class RoundFaults:
     absent: list[int] = field(default_factory=list)
     committed: bool = True
     healed: bool = False  # this replica healed from a peer at the round's start
+    diverged: bool = False  # its θ was unlike its peers' at the round's exchange: it heals at the next round
     quorum_seconds: float = 0.0
     started: float = 0.0  # wall-clock time (time.time()) the round's quorum formed
 
@@ -117,6 +119,9 @@ class Replica:
         record = self.history[-1]
         record.absent = sorted(self.comm.absent)
         record.committed = self.comm.committed
+        record.diverged = self.comm.diverged
+        if record.diverged:
+            self._heal_next_round(record.round)
         before = self.history[-2].absent if len(self.history) > 1 else []
         if not record.committed:
             log.warning("round %d was dropped: its exchange failed (no outer step)", record.round + 1)
@@ -125,6 +130,14 @@ class Replica:
             missing = ", ".join(map(str, record.absent)) or "none"
             log.warning("round %d: %d of %d replicas took part (absent: %s)", record.round + 1, present,
                         self.comm.world_size, missing)  # fmt: skip
+
+    def _heal_next_round(self, index: int) -> None:
+        """This replica's θ is not its peers' (the job split into quorums that trained apart): it counts itself a
+        step behind, so the next quorum heals it from a peer that is not (torchft heals the replicas behind)."""
+        state = self.manager.state_dict()
+        self.manager.load_state_dict({**state, "step": max(0, state["step"] - 1)})
+        log.warning("replica %d: its θ after round %d is not its peers' (the job had split into quorums that trained "
+                    "apart); it heals from a peer at the next round", self.comm.rank, index + 1)  # fmt: skip
 
     def close(self) -> None:
         self.comm.close()

@@ -7,12 +7,17 @@ worker's row, bit for bit (adding exact zeros to bytes changes nothing), in work
 ranks are. A slot whose presence byte stayed 0 is a worker absent from the round. The round's outer step is
 committed only when every replica of the quorum finished the exchange (``Manager.should_commit``); a failed one
 reads as every worker absent, so no outer step is taken from it anywhere.
+
+Each slot also carries a digest of the sender's θ (``theta_digest``), which is the same on every replica of a
+healthy job. A replica whose θ differs from that of the lowest present worker (the job split: two quorums trained
+apart, as a restarted Lighthouse can form them) marks itself ``diverged``; it then heals from a peer at the next
+round's start.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -78,9 +83,12 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         self.stats = CommStats()
         self.absent: frozenset[int] = frozenset()
         self.committed = False  # whether the last exchange committed
+        self.theta_digest: Callable[[], int] | None = None  # the θ this replica holds, as a number (bits_digest)
+        self.diverged = False  # an exchange of this round found this θ unlike the lowest present worker's
 
     def start_round(self) -> None:
         """The round's quorum: blocks until the Lighthouse forms it (at most the quorum timeout)."""
+        self.diverged = False
         self.manager.start_quorum()
 
     @property
@@ -118,11 +126,14 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         if set(contributions) != {self.rank}:
             raise RuntimeError(f"replica {self.rank} hosts worker {self.rank} alone, not {sorted(contributions)}")
         own = list(contributions[self.rank])
+        digest = torch.tensor([self.theta_digest() if self.theta_digest is not None else 0], dtype=torch.int64)
         start = time.perf_counter()
-        buffer = self._committed_exchange(own)
+        buffer = self._committed_exchange([*own, digest])
         self.stats.wait_seconds += time.perf_counter() - start
         self.committed = buffer is not None
-        rows = unpack_slots(buffer, own) if buffer is not None else [None] * self.world_size
+        slots = unpack_slots(buffer, [*own, digest]) if buffer is not None else [None] * self.world_size
+        self._check_digests([slot[-1] for slot in slots if slot is not None], digest)
+        rows = [slot[:-1] if slot is not None else None for slot in slots]
         self.absent = frozenset(w for w in workers if rows[w] is None)
         present = [rows[w] if rows[w] is not None else _zeros_like(own) for w in sorted(workers)]
         self.stats.bytes_sent += contributed_bytes([own] * (len(workers) - len(self.absent)), workers)
@@ -130,6 +141,11 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         future: Future[list[list[torch.Tensor]]] = Future()
         future.set_result(present)
         return future
+
+    def _check_digests(self, present: list[torch.Tensor], own: torch.Tensor) -> None:
+        """Whether this replica's θ is unlike the lowest present worker's (theirs are in worker-id order)."""
+        if self.theta_digest is not None and present and not torch.equal(present[0], own):
+            self.diverged = True
 
     def absent_from_last(self) -> frozenset[int]:
         return self.absent

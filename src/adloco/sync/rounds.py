@@ -28,6 +28,7 @@ class StepRecord:
 
 
 SKIPPED_STEP = StepRecord(loss=math.nan, tokens=0, finite=False)  # a worker out of the round reads nothing
+ABSENT_B_MAX = -1  # the b_max an absent worker's report carries (a present one's is a count, at least 0)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class WorkerRound:
     @property
     def failed(self) -> bool:
         return any(not s.finite for s in self.steps)
+
+    @property
+    def absent(self) -> bool:
+        """Missing from the round's exchange (a fault-tolerant replica that died): it read and sent nothing."""
+        return self.b_max == ABSENT_B_MAX
 
     def to_tensor(self) -> torch.Tensor:
         """A flat float64 vector (exact for every field) that rides in the round's exchange."""
@@ -155,7 +161,8 @@ class RoundState:
 def absent_report(values: int) -> torch.Tensor:
     """The report of a worker missing from the round (its replica gone), as long as the present workers' (``values``
     floats): out, every step skipped."""
-    return WorkerRound(steps=[SKIPPED_STEP] * ((values - _HEAD) // _PER_STEP), out=True).to_tensor()
+    steps = [SKIPPED_STEP] * ((values - _HEAD) // _PER_STEP)
+    return WorkerRound(steps=steps, out=True, b_max=ABSENT_B_MAX).to_tensor()
 
 
 def joined(requests: list[BoundaryRequest]) -> BoundaryRequest:

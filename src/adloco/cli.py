@@ -338,16 +338,13 @@ def _train(args: argparse.Namespace, load_config) -> int:
     if args.print_config:
         print(config.to_yaml(), end="")
         return 0
-    if config.fault_tolerance.lighthouse is not None:
-        raise ConfigError(
-            "fault_tolerance.lighthouse: adloco train does not run fault-tolerant replicas yet; a loop of your own "
-            "does, with DiLoCo(..., fault_tolerance={...}) (docs/fault-tolerance.md)"
-        )
     if args.quiet:
         config.run.progress = False
+    console = Console(stderr=True)
+    if config.fault_tolerance.lighthouse is not None:
+        return _train_replica(config, run_dir, console, args.verbose)
     from adloco.training import train
 
-    console = Console(stderr=True)
     with _verbose_log(console) if args.verbose else contextlib.nullcontext():
         result = train(config, resume=run_dir, console=console)
     if os.environ.get("RANK", "0") != "0":
@@ -358,6 +355,28 @@ def _train(args: argparse.Namespace, load_config) -> int:
     print(
         f"final validation loss {result.val_loss:.4f} ({quality}) "
         f"after {result.tokens:,} tokens, {result.rounds} rounds, {result.seconds:.1f} s"
+    )
+    return 0
+
+
+def _train_replica(config, resume: Path | None, console, verbose: bool) -> int:
+    """``adloco train`` as one fault-tolerant replica of a job (fault_tolerance.lighthouse given)."""
+    import torch
+
+    from adloco.comm.distributed import launched_by_torchrun
+    from adloco.replica_training import check_replica_run, train_replica
+    from adloco.training import _tokenizer_and_task
+
+    check_replica_run(config, resume, launched_by_torchrun())
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    tokenizer, task = _tokenizer_and_task(config, None)
+    with _verbose_log(console) if verbose else contextlib.nullcontext():
+        result = train_replica(config, task, tokenizer, console)
+    print(f"run directory: {result['run_dir']}")
+    print(
+        f"replica {config.fault_tolerance.replica}: final validation loss {result['val_loss']:.4f} "
+        f"after {result['tokens']:,} tokens, {result['rounds']} rounds, {result['seconds']:.1f} s"
     )
     return 0
 

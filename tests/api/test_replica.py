@@ -77,9 +77,13 @@ def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
     model = torch.nn.Linear(2, 1)
     with pytest.raises(ValueError, match="one trainer for now"):
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=ft, trainers=2)
-    cli = adloco_process("train", "fault_tolerance.lighthouse=http://127.0.0.1:1", "fault_tolerance.replica=0",
-                         "fault_tolerance.replicas=2", cwd=tmp_path)  # fmt: skip
-    assert cli.returncode == 2 and "does not run fault-tolerant replicas yet" in cli.stderr
+    replica = [
+        "fault_tolerance.lighthouse=http://127.0.0.1:1",
+        "fault_tolerance.replica=0",
+        "fault_tolerance.replicas=2",
+    ]
+    cli = adloco_process("train", *replica, "method=adloco", cwd=tmp_path)
+    assert cli.returncode == 2 and "runs replicas of diloco, localsgd and streaming for now" in cli.stderr
     assert "Traceback" not in cli.stderr
     bad = adloco_process("lighthouse", "--port", "70000", cwd=tmp_path)
     assert bad.returncode == 2 and "not a port number" in bad.stderr.splitlines()[-1]

@@ -1,0 +1,197 @@
+"""``adloco train`` as one fault-tolerant replica (``fault_tolerance.lighthouse`` given, no torchrun).
+
+This process is worker ``fault_tolerance.replica`` of the job: the run's model, its own sample stream and the
+inner optimizer, in a loop of ``adloco.DiLoCo(fault_tolerance=...)`` (the component a loop of one's own holds).
+Each replica keeps its own run directory, ``run.root/<run.name or "replicas">/replica<i>``; one started again
+with the same command finds it and appends to its ``metrics.jsonl``: one record per round (who took part, who was
+absent, whether it committed, healed or had diverged) and the final evaluation. A replica that joins heals from a
+peer and moves its sample stream to the peers' step, so worker i reads at inner step s what it would have read
+had it never stopped: no sample twice, and the steps it missed are never read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from adloco.algorithms.schedules import inner_lr
+from adloco.api import DiLoCo
+from adloco.config import ConfigError, TrainConfig
+from adloco.data.tokenization import SAVED_DIR, save_tokenizer
+from adloco.metrics import MetricsWriter
+from adloco.placement import resolve_device
+from adloco.precision import adamw_kernel
+from adloco.run_dir import write_run_config
+from adloco.runs import lock_run
+from adloco.tasks import Task
+
+log = logging.getLogger("adloco")
+STREAM_SEED_STRIDE = 1_000_003  # worker i's stream seed, as adloco train's workers draw theirs
+
+
+def check_replica_run(config: TrainConfig, resume: Path | None, torchrun: bool) -> None:
+    """What ``adloco train`` as a replica cannot be, each as a one-line error."""
+    if torchrun:
+        raise ConfigError("fault_tolerance: each replica is a process of its own; start it without torchrun")
+    if resume is not None:
+        raise ConfigError("--resume: a replica started again heals from its peers; start it with the same command")
+    if config.method not in ("diloco", "localsgd", "streaming"):
+        raise ConfigError(f"fault_tolerance: adloco train runs replicas of diloco, localsgd and streaming for now, "
+                          f"not method={config.method} (a loop of your own runs AdLoCo's)")  # fmt: skip
+    if config.shards != 1 or config.elastic or config.sync_every == "auto":
+        raise ConfigError("fault_tolerance: adloco train's replicas take shards=1, elastic=false and a fixed "
+                          "sync_every for now")  # fmt: skip
+
+
+def replica_run_dir(config: TrainConfig) -> Path:
+    """This replica's run directory, the same for every start of it (its metrics go on in the same file)."""
+    assert config.fault_tolerance.replica is not None
+    path = Path(config.run.root) / (config.run.name or "replicas") / f"replica{config.fault_tolerance.replica}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise ConfigError(f"run directory '{path}' cannot be created: {reason}") from None
+    return path
+
+
+def train_replica(config: TrainConfig, task: Task, tokenizer: Any, console: Console) -> dict[str, Any]:
+    """Train this replica to the token budget; the summary of the run (as ``adloco train`` prints it)."""
+    run_dir = replica_run_dir(config)
+    lock = lock_run(run_dir)
+    error: BaseException | None = None
+    try:
+        write_run_config(run_dir, config)
+        if not (run_dir / SAVED_DIR).exists():
+            save_tokenizer(tokenizer, run_dir / SAVED_DIR)
+        metrics = MetricsWriter(run_dir / "metrics.jsonl")
+        try:
+            return {"run_dir": run_dir, **_train_in(config, task, tokenizer.describe(), run_dir, metrics, console)}
+        finally:
+            metrics.close()
+    except BaseException as raised:
+        error = raised
+        raise
+    finally:
+        lock.release(error)
+
+
+def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, metrics: MetricsWriter, console) -> dict:
+    ft = config.fault_tolerance
+    device = resolve_device(config)
+    model = task.build_model(config.seed).to(device)
+    optimizer = _inner_optimizer(model, config, device)
+    stream = task.stream(config.seed * STREAM_SEED_STRIDE + ft.replica, worker=ft.replica, workers=ft.replicas)
+    started = time.perf_counter()
+    diloco = DiLoCo(model, optimizer, config.sync_every, config.method, **_sections(config))
+    loop = _ReplicaLoop(config, task, model, optimizer, stream, diloco, metrics)
+    if config.run.progress:
+        console.print(f"adloco: replica {ft.replica} of {ft.replicas} at step {diloco.inner_step}, run directory "
+                      f"{run_dir}", markup=False, highlight=False, soft_wrap=True)  # fmt: skip
+    loop.run(console if config.run.progress else None)
+    diloco.finish()  # the model is θ now
+    loop.write_rounds(last=True)
+    theta = [p.detach() for p in model.parameters()]
+    limit = None if config.eval.final_full else config.eval.blocks
+    final = task.evaluate(model, theta, limit)
+    seconds = time.perf_counter() - started
+    summary = {"val_loss": final.loss, "perplexity": math.exp(final.loss), "accuracy": final.accuracy,
+               "tokens": loop.tokens, "rounds": diloco.rounds.count, "seconds": seconds}  # fmt: skip
+    metrics.write("final", replica=ft.replica, steps=diloco.inner_step, **summary)
+    if config.run.save_final:
+        from adloco.training import _export_final
+
+        _export_final(model, theta, run_dir, tokenizer_info)
+    return summary
+
+
+def _inner_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    from adloco.inner_optimizer import inner_optimizer
+
+    return inner_optimizer(model, config.inner, adamw_kernel(device))
+
+
+def _sections(config: TrainConfig) -> dict[str, Any]:
+    """DiLoCo's settings from the run's config sections."""
+    sections = {"outer": config.outer.model_dump(), "codec": config.codec.model_dump(),
+                "fault_tolerance": config.fault_tolerance.model_dump()}  # fmt: skip
+    if config.method == "streaming":
+        sections["streaming"] = config.streaming.model_dump()
+    return sections
+
+
+class _ReplicaLoop:
+    """The inner steps of one replica: its stream at DiLoCo's step, the scheduled lr, a record per round."""
+
+    def __init__(self, config, task, model, optimizer, stream, diloco: DiLoCo, metrics: MetricsWriter) -> None:
+        self.config, self.task, self.model, self.optimizer = config, task, model, optimizer
+        self.stream, self.diloco, self.metrics = stream, diloco, metrics
+        replicas = config.fault_tolerance.replicas
+        self.b = config.batch.size
+        self.per_step = replicas * self.b * task.context  # the job's tokens per inner step, every worker present
+        self.total_steps = math.ceil(config.total_tokens / self.per_step)
+        self.position = 0  # inner steps this stream has been read for
+        self.written = 0  # rounds of diloco.replica.history in metrics.jsonl
+        self.losses: list[float] = []
+        self.tokens = 0
+
+    def run(self, console: Console | None) -> None:
+        device = next(self.model.parameters()).device
+        clip, inner = self.config.inner.clip, self.config.inner
+        shown = time.monotonic()
+        with self.diloco:
+            while self.diloco.inner_step < self.total_steps:
+                self._catch_up()
+                step = self.diloco.inner_step
+                batch = [t.to(device) for t in self.stream.next_batch(self.b)]
+                self.position += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = self.task.loss(self.model, *batch)
+                loss.backward()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=False)
+                lr = inner_lr(step, step * self.per_step / self.config.total_tokens, inner.lr, inner.min_lr,
+                              inner.warmup_steps)  # fmt: skip
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                self.losses.append(loss.item())
+                self.optimizer.step()  # DiLoCo's hook: a round's end, its exchange, the next quorum (maybe a heal)
+                self.write_rounds()
+                if console is not None and time.monotonic() - shown >= self.config.run.progress_every_s:
+                    shown = time.monotonic()
+                    console.print(self._progress(), markup=False, highlight=False, soft_wrap=True)
+
+    def _catch_up(self) -> None:
+        """After a heal the step is the peers': read past the samples of the steps this worker did not take."""
+        while self.position < self.diloco.inner_step:
+            self.stream.next_batch(self.b)
+            self.position += 1
+
+    def write_rounds(self, last: bool = False) -> None:
+        """A record for each round whose exchange is over (at the end, the last one too)."""
+        replica = self.diloco.replica
+        assert replica is not None
+        done = len(replica.history) if last else len(replica.history) - 1
+        for record in replica.history[self.written : done]:
+            self.tokens = self.diloco.inner_step * self.per_step  # the job's, as adloco train counts them
+            loss = sum(self.losses) / len(self.losses) if self.losses else None
+            fields = {**asdict(record), "round": record.round + 1}
+            self.metrics.write("round", **fields, step=self.diloco.inner_step, tokens=self.tokens, train_loss=loss,
+                               replica=replica.comm.rank)  # fmt: skip
+            self.losses = []
+        self.metrics.flush()
+        self.written = max(self.written, done)
+
+    def _progress(self) -> str:
+        replica = self.diloco.replica
+        assert replica is not None
+        last = replica.history[-2] if len(replica.history) > 1 else replica.history[-1]
+        return (f"adloco: replica {replica.comm.rank}: step {self.diloco.inner_step}/{self.total_steps}, round "
+                f"{self.diloco.rounds.count}, {last.participants} replicas in the last round")  # fmt: skip

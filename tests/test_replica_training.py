@@ -1,0 +1,81 @@
+"""``adloco train`` as fault-tolerant replicas: real ``adloco train`` processes on loopback, an ``adloco
+lighthouse`` process between them. Without a fault the replicas end on the bits of the plain run with as many
+workers; a replica killed mid-run is left out, and started again with the same command it heals, its records in
+its own metrics.jsonl going on where its first life's stopped."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from adloco.records import read_metrics
+from tests.api.test_replica import _finish, _lighthouse, needs_torchft
+from tests.comm.test_distributed import _env
+from tests.conftest import FAST, adloco_process, final_params, same_params
+
+DEADLINE_S = 300
+REPLICA = ["model.context=16", "batch.size=2", "sync_every=4", "inner.warmup_steps=2", "eval.blocks=8",
+           "eval.final_full=false", "run.plots=false", "run.progress=false", "threads=1",
+           "fault_tolerance.host=127.0.0.1"]  # fmt: skip
+
+
+def _replica(root: Path, lighthouse: str, replica: int, replicas: int, tokens: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "adloco", "train", *REPLICA, f"total_tokens={tokens}", f"run.root={root}"]
+    command += ["run.name=job", f"fault_tolerance.lighthouse={lighthouse}", f"fault_tolerance.replica={replica}"]
+    command += [f"fault_tolerance.replicas={replicas}", f"workers={replicas}"]
+    env = {**_env(), "RUST_LOG": "error", "PYTHONWARNINGS": "ignore"}
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root.parent
+    )
+
+
+def _rounds(root: Path, replica: int) -> list[dict]:
+    path = root / "job" / f"replica{replica}" / "metrics.jsonl"
+    return [r for r in read_metrics(path) if r["kind"] == "round"] if path.exists() else []
+
+
+@needs_torchft
+def test_without_a_fault_replicas_of_adloco_train_end_on_the_bits_of_the_plain_run(tmp_path):
+    root, deadline = tmp_path / "runs", time.monotonic() + DEADLINE_S
+    lighthouse, address = _lighthouse(min_replicas=2)
+    try:
+        assert _finish([_replica(root, address, r, 2, 2048) for r in (0, 1)], deadline) == [0, 0]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    plain = adloco_process("train", *FAST, "total_tokens=2048", f"run.root={tmp_path / 'plain'}", "run.name=p")
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    expected = final_params(tmp_path / "plain" / "p")
+    for r in (0, 1):
+        assert same_params(final_params(root / "job" / f"replica{r}"), expected)
+        records = _rounds(root, r)
+        assert [x["round"] for x in records] == list(range(1, 9))  # 2048 tokens: 8 rounds of 4 steps
+        assert all(x["participants"] == 2 and x["committed"] and not x["absent"] for x in records)
+
+
+@needs_torchft
+def test_a_replica_of_adloco_train_killed_mid_run_is_left_out_and_started_again_heals(tmp_path):
+    root, deadline = tmp_path / "runs", time.monotonic() + DEADLINE_S
+    tokens = 36864  # 384 steps of the 3 workers' 2 samples of 16 tokens: 96 rounds (the killed one is back by ~30)
+    lighthouse, address = _lighthouse(min_replicas=2)
+    try:
+        procs = [_replica(root, address, r, 3, tokens) for r in range(3)]
+        while len(_rounds(root, 2)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        procs[2].kill()  # a few rounds in, mid-round or not
+        assert _finish([procs[2]], deadline) == [-9]
+        first_life = _rounds(root, 2)
+        back = _replica(root, address, 2, 3, tokens)
+        assert _finish([procs[0], procs[1], back], deadline) == [0, 0, 0]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    survivors = [_rounds(root, r) for r in (0, 1)]
+    for records in survivors:  # every round of theirs committed, some without replica 2
+        assert all(x["committed"] for x in records) and any(x["absent"] == [2] for x in records)
+    records = _rounds(root, 2)  # both lives, appended
+    second_life = records[len(first_life) :]
+    assert second_life[0]["healed"] and second_life[0]["round"] > first_life[-1]["round"] + 1
+    assert second_life[-1]["round"] == survivors[0][-1]["round"] and second_life[-1]["step"] == 384
+    final = [final_params(root / "job" / f"replica{r}") for r in range(3)]
+    assert same_params(final[0], final[1]) and same_params(final[0], final[2])

@@ -107,3 +107,22 @@ def test_an_exchange_nobody_was_present_at_is_dropped_and_changes_no_fragment():
     assert torch.equal(trainer.theta[0], torch.zeros(4)) and torch.equal(slots[0].params[0], torch.full((4,), -1.0))
     sync._apply(trainer, 0, done, alpha=0.0)
     assert torch.equal(trainer.theta[0], torch.full((4,), -2.0))  # outer SGD lr 1, no momentum: θ − mean Δ
+
+
+def test_an_eager_worker_takes_back_its_share_of_a_dropped_exchange():
+    """Overlapped DiLoCo with eager updates: a worker steps its own copy with its share of the mean at once; when
+    that exchange is dropped (every try failed) no mean arrives a round later, and its share comes back out."""
+    from adloco.config_sections import OuterConfig
+    from adloco.sync.overlapped import EagerCopy, OverlappedSync
+
+    slots = {0: _Slot(-1.0), 1: _Slot(-2.0), 2: _Slot(-3.0)}
+    gone = _EveryoneGone()
+    sync = OverlappedSync(gone, {0: _trainer()}, slots, DeltaExchange(gone, None, False, [0, 1, 2]),
+                          outer=OuterConfig(lr=1.0, momentum=0.0, nesterov=False), eager=True)  # fmt: skip
+    dropped = DeltaExchange(gone, None, False, [0, 1, 2]).start(_trainer(), 0, slots, set(), _reports(()))
+    assert sync._arrived(sync.trainers[0], dropped) is None  # no outer step takes a dropped mean
+    copy = EagerCopy([torch.zeros(4)], lr=1.0, momentum=0.0, nesterov=False, factory=None)
+    copy.step(None, [torch.full((4,), 0.5)])  # round 1: its own share of the mean in flight, applied at once
+    assert torch.equal(copy.theta[0], torch.full((4,), -0.5))
+    copy.step(None, [torch.full((4,), 0.25)])  # round 1's exchange dropped: its share out, round 2's in
+    assert torch.equal(copy.theta[0], torch.full((4,), -0.25))

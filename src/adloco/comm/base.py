@@ -47,6 +47,10 @@ class Gathered:
     reports: dict[int, torch.Tensor]
     absent: frozenset[int] = frozenset()
 
+    def reports_with_absent(self, absent_row: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Every worker's report, ``absent_row`` standing in for each absent worker's (which sent none)."""
+        return {**self.reports, **dict.fromkeys(self.absent, absent_row)}
+
 
 def payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)

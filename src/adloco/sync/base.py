@@ -108,7 +108,7 @@ class DeltaStrategy(SyncStrategy):
         local = state.local_tensors(self.hosted(trainer))
         gathered = self.comm.wait(self.comm.gather_with_reports({w: [] for w in local}, local, trainer.worker_ids))
         width = next(iter(local.values())).numel() if local else 0
-        state.learn({**dict.fromkeys(gathered.absent, absent_report(width)), **gathered.reports})
+        state.learn(gathered.reports_with_absent(absent_report(width)))
 
     def mark_skipped(self, state: RoundState, trainer: Trainer) -> bool:
         """Every worker of the trainer sat out: no outer step from this round."""

@@ -72,9 +72,8 @@ def _exchanged(
     goes to θ's ``device``: a transport may hand rows back in host memory (gloo, or any exchange's rows)."""
     mean = [t.to(device) for t in mean]
     rows = dict(gathered.reports)
-    if reported and gathered.absent:
-        absent = torch.cat([absent_report(width - 1), torch.zeros(1, dtype=torch.float64)])
-        rows.update(dict.fromkeys(gathered.absent, absent))
+    if reported:  # an absent worker's row: its report, then ‖Δ_i‖² = 0
+        rows = gathered.reports_with_absent(torch.cat([absent_report(width - 1), torch.zeros(1, dtype=torch.float64)]))
     healthy = {w: float(r[-1]) for w, r in rows.items() if (r[0].item() == 0.0 if reported else r[-1].item() > 0.0)}
     reports = {w: r[:-1] for w, r in rows.items()} if reported else {}
     dropped = len(gathered.absent) >= workers

@@ -8,10 +8,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from adloco.config_input import layered
 from adloco.records import read_metrics
 from tests.api.test_replica import _finish, _lighthouse, needs_torchft
 from tests.comm.test_distributed import _env
-from tests.conftest import FAST, adloco_process, final_params, same_params
+from tests.conftest import FAST, PINNED_PACE, adloco_process, final_params, same_params
 
 DEADLINE_S = 300
 REPLICA = ["model.context=16", "batch.size=2", "sync_every=4", "inner.warmup_steps=2", "eval.blocks=8",
@@ -19,10 +22,15 @@ REPLICA = ["model.context=16", "batch.size=2", "sync_every=4", "inner.warmup_ste
            "fault_tolerance.host=127.0.0.1"]  # fmt: skip
 
 
-def _replica(root: Path, lighthouse: str, replica: int, replicas: int, tokens: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "adloco", "train", *REPLICA, f"total_tokens={tokens}", f"run.root={root}"]
-    command += ["run.name=job", f"fault_tolerance.lighthouse={lighthouse}", f"fault_tolerance.replica={replica}"]
-    command += [f"fault_tolerance.replicas={replicas}", f"workers={replicas}"]
+# AdLoCo: the time-aware controller on pinned costs grows b from 1 (to 2 here, or 8 in the no-fault case)
+ADLOCO = ["method=adloco", "batch.size=1", "batch.b_cap=2", *PINNED_PACE]
+
+
+def _replica(root: Path, lighthouse: str, replica: int, replicas: int, tokens: int, *extra: str) -> subprocess.Popen:
+    items = [*REPLICA, *extra, f"total_tokens={tokens}", f"run.root={root}", "run.name=job"]
+    items += [f"fault_tolerance.lighthouse={lighthouse}", f"fault_tolerance.replica={replica}"]
+    items += [f"fault_tolerance.replicas={replicas}", f"workers={replicas}"]
+    command = [sys.executable, "-m", "adloco", "train", *layered(items)]  # later items win, as on a command line
     env = {**_env(), "RUST_LOG": "error", "PYTHONWARNINGS": "ignore"}
     return subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root.parent
@@ -35,37 +43,47 @@ def _rounds(root: Path, replica: int) -> list[dict]:
 
 
 @needs_torchft
-def test_without_a_fault_replicas_of_adloco_train_end_on_the_bits_of_the_plain_run(tmp_path):
+@pytest.mark.parametrize(
+    ("method", "rounds"),
+    [([], 8), (["method=adloco", "batch.size=1", "batch.b_cap=64", "sync_every=2", *PINNED_PACE], 9)],
+    ids=["diloco", "adloco"],
+)
+def test_without_a_fault_replicas_of_adloco_train_end_on_the_bits_of_the_plain_run(tmp_path, method, rounds):
+    """DiLoCo: 2048 tokens, 8 rounds of 4 steps; AdLoCo: b grows 1, 2, 4, 8 over 9 rounds of 2 steps and the
+    budget cuts the last one short."""
     root, deadline = tmp_path / "runs", time.monotonic() + DEADLINE_S
     lighthouse, address = _lighthouse(min_replicas=2)
     try:
-        assert _finish([_replica(root, address, r, 2, 2048) for r in (0, 1)], deadline) == [0, 0]
+        assert _finish([_replica(root, address, r, 2, 2048, *method) for r in (0, 1)], deadline) == [0, 0]
     finally:
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
-    plain = adloco_process("train", *FAST, "total_tokens=2048", f"run.root={tmp_path / 'plain'}", "run.name=p")
+    plain = adloco_process("train", *FAST, *method, "batched_workers=false", "total_tokens=2048",
+                           f"run.root={tmp_path / 'plain'}", "run.name=p")  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-2000:]
     expected = final_params(tmp_path / "plain" / "p")
     for r in (0, 1):
         assert same_params(final_params(root / "job" / f"replica{r}"), expected)
         records = _rounds(root, r)
-        assert [x["round"] for x in records] == list(range(1, 9))  # 2048 tokens: 8 rounds of 4 steps
+        assert [x["round"] for x in records] == list(range(1, rounds + 1))
         assert all(x["participants"] == 2 and x["committed"] and not x["absent"] for x in records)
 
 
 @needs_torchft
 def test_a_replica_of_adloco_train_killed_mid_run_is_left_out_and_started_again_heals(tmp_path):
+    """AdLoCo (b from 1 to 2): the one started again reads on in its stream from where the job's step puts it,
+    having read past the samples of the steps it missed; every worker's stream handed out as many samples."""
     root, deadline = tmp_path / "runs", time.monotonic() + DEADLINE_S
-    tokens = 36864  # 384 steps of the 3 workers' 2 samples of 16 tokens: 96 rounds (the killed one is back by ~30)
+    tokens = 36864  # about 390 steps of the 3 workers' 2 samples of 16 tokens (the killed one is back by ~30)
     lighthouse, address = _lighthouse(min_replicas=2)
     try:
-        procs = [_replica(root, address, r, 3, tokens) for r in range(3)]
-        while len(_rounds(root, 2)) < 3 and time.monotonic() < deadline:
+        procs = [_replica(root, address, r, 3, tokens, *ADLOCO) for r in range(3)]
+        while len(_rounds(root, 2)) < 3 and procs[2].poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         procs[2].kill()  # a few rounds in, mid-round or not
         assert _finish([procs[2]], deadline) == [-9]
         first_life = _rounds(root, 2)
-        back = _replica(root, address, 2, 3, tokens)
+        back = _replica(root, address, 2, 3, tokens, *ADLOCO)
         assert _finish([procs[0], procs[1], back], deadline) == [0, 0, 0]
     finally:
         lighthouse.terminate()
@@ -76,6 +94,10 @@ def test_a_replica_of_adloco_train_killed_mid_run_is_left_out_and_started_again_
     records = _rounds(root, 2)  # both lives, appended
     second_life = records[len(first_life) :]
     assert second_life[0]["healed"] and second_life[0]["round"] > first_life[-1]["round"] + 1
-    assert second_life[-1]["round"] == survivors[0][-1]["round"] and second_life[-1]["step"] == 384
+    assert second_life[-1]["round"] == survivors[0][-1]["round"]
+    assert second_life[-1]["step"] == survivors[0][-1]["step"] == survivors[1][-1]["step"]
     final = [final_params(root / "job" / f"replica{r}") for r in range(3)]
     assert same_params(final[0], final[1]) and same_params(final[0], final[2])
+    ends = [[x for x in read_metrics(root / "job" / f"replica{r}" / "metrics.jsonl") if x["kind"] == "final"][-1]
+            for r in range(3)]  # fmt: skip
+    assert ends[0]["samples_read"] == ends[1]["samples_read"] == ends[2]["samples_read"] > 0

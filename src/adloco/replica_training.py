@@ -42,9 +42,6 @@ def check_replica_run(config: TrainConfig, resume: Path | None, torchrun: bool) 
         raise ConfigError("fault_tolerance: each replica is a process of its own; start it without torchrun")
     if resume is not None:
         raise ConfigError("--resume: a replica started again heals from its peers; start it with the same command")
-    if config.method not in ("diloco", "localsgd", "streaming"):
-        raise ConfigError(f"fault_tolerance: adloco train runs replicas of diloco, localsgd and streaming for now, "
-                          f"not method={config.method} (a loop of your own runs AdLoCo's)")  # fmt: skip
     if config.shards != 1 or config.elastic or config.sync_every == "auto":
         raise ConfigError("fault_tolerance: adloco train's replicas take shards=1, elastic=false and a fixed "
                           "sync_every for now")  # fmt: skip
@@ -90,7 +87,7 @@ def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, metrics: 
     optimizer = _inner_optimizer(model, config, device)
     stream = task.stream(config.seed * STREAM_SEED_STRIDE + ft.replica, worker=ft.replica, workers=ft.replicas)
     started = time.perf_counter()
-    diloco = DiLoCo(model, optimizer, config.sync_every, config.method, **_sections(config))
+    diloco = DiLoCo(model, optimizer, config.sync_every, config.method, **_sections(config, task))
     loop = _ReplicaLoop(config, task, model, optimizer, stream, diloco, metrics)
     if config.run.progress:
         console.print(f"adloco: replica {ft.replica} of {ft.replicas} at step {diloco.inner_step}, run directory "
@@ -104,7 +101,7 @@ def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, metrics: 
     seconds = time.perf_counter() - started
     summary = {"val_loss": final.loss, "perplexity": math.exp(final.loss), "accuracy": final.accuracy,
                "tokens": loop.tokens, "rounds": diloco.rounds.count, "seconds": seconds}  # fmt: skip
-    metrics.write("final", replica=ft.replica, steps=diloco.inner_step, **summary)
+    metrics.write("final", replica=ft.replica, steps=diloco.inner_step, samples_read=loop.read, **summary)
     if config.run.save_final:
         from adloco.training import _export_final
 
@@ -118,69 +115,103 @@ def _inner_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.
     return inner_optimizer(model, config.inner, adamw_kernel(device))
 
 
-def _sections(config: TrainConfig) -> dict[str, Any]:
-    """DiLoCo's settings from the run's config sections."""
+def _sections(config: TrainConfig, task: Task) -> dict[str, Any]:
+    """DiLoCo's settings from the run's config sections (AdLoCo: its batch and the budget in samples)."""
     sections = {"outer": config.outer.model_dump(), "codec": config.codec.model_dump(),
                 "fault_tolerance": config.fault_tolerance.model_dump()}  # fmt: skip
     if config.method == "streaming":
         sections["streaming"] = config.streaming.model_dump()
+    if config.method == "adloco":
+        sections.update(batch=config.batch.model_dump(), total_samples=config.total_tokens // task.context)
     return sections
 
 
 class _ReplicaLoop:
-    """The inner steps of one replica: its stream at DiLoCo's step, the scheduled lr, a record per round."""
+    """The inner steps of one replica: its stream at DiLoCo's step, the scheduled lr, a record per round. With
+    ``method=adloco`` the adaptive batch decides how many samples a step reads and the budget ends the run."""
 
     def __init__(self, config, task, model, optimizer, stream, diloco: DiLoCo, metrics: MetricsWriter) -> None:
         self.config, self.task, self.model, self.optimizer = config, task, model, optimizer
         self.stream, self.diloco, self.metrics = stream, diloco, metrics
-        replicas = config.fault_tolerance.replicas
+        self.device = next(model.parameters()).device
         self.b = config.batch.size
-        self.per_step = replicas * self.b * task.context  # the job's tokens per inner step, every worker present
+        self.per_step = config.fault_tolerance.replicas * self.b * task.context  # tokens per step, all present
         self.total_steps = math.ceil(config.total_tokens / self.per_step)
-        self.position = 0  # inner steps this stream has been read for
+        self.read = 0  # samples this worker's stream has handed out
         self.written = 0  # rounds of diloco.replica.history in metrics.jsonl
         self.losses: list[float] = []
         self.tokens = 0
+        self.shown = time.monotonic()
 
     def run(self, console: Console | None) -> None:
-        device = next(self.model.parameters()).device
-        clip, inner = self.config.inner.clip, self.config.inner
-        shown = time.monotonic()
         with self.diloco:
-            while self.diloco.inner_step < self.total_steps:
-                self._catch_up()
-                step = self.diloco.inner_step
-                batch = [t.to(device) for t in self.stream.next_batch(self.b)]
-                self.position += 1
-                self.optimizer.zero_grad(set_to_none=True)
-                loss = self.task.loss(self.model, *batch)
-                loss.backward()
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=False)
-                lr = inner_lr(step, step * self.per_step / self.config.total_tokens, inner.lr, inner.min_lr,
-                              inner.warmup_steps)  # fmt: skip
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                self.losses.append(loss.item())
-                self.optimizer.step()  # DiLoCo's hook: a round's end, its exchange, the next quorum (maybe a heal)
-                self.write_rounds()
-                if console is not None and time.monotonic() - shown >= self.config.run.progress_every_s:
-                    shown = time.monotonic()
-                    console.print(self._progress(), markup=False, highlight=False, soft_wrap=True)
+            if self.diloco.batch is None:
+                while self.diloco.inner_step < self.total_steps:
+                    step = self.diloco.inner_step
+                    fraction = step * self.per_step / self.config.total_tokens
+                    self._step(self.b, step, fraction, console)
+            else:
+                self._adaptive_rounds(console)
+
+    def _adaptive_rounds(self, console: Console | None) -> None:
+        """Rounds of the batch the adaptive batch asks for; the budget (in tokens, over the workers present) cuts
+        the last one short, as adloco train's does."""
+        batch, context, total = self.diloco.batch, self.task.context, self.config.total_tokens
+        assert batch is not None
+        while batch.samples_done * context < total:
+            self._catch_up()  # a heal (at the start, or at this round's quorum) moves the stream
+            tokens_before, per_step = batch.samples_done * context, batch.job_samples * context
+            steps = min(self.diloco.rounds.length, math.ceil((total - tokens_before) / per_step))
+            for round_step in range(steps):
+                fraction = (tokens_before + round_step * per_step) / total
+                self._step(batch.samples, self.diloco.inner_step, fraction, console)
+            if steps < self.diloco.rounds.length:
+                break  # finish() ends this shorter round
+
+    def _step(self, samples: int, step: int, fraction: float, console: Console | None) -> None:
+        """One inner step of ``samples`` samples at inner step ``step``, ``fraction`` into the budget."""
+        if self.diloco.batch is None:
+            self._catch_up()
+        data = [t.to(self.device) for t in self.stream.next_batch(samples)]
+        self.read += samples
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.diloco.batch is None:
+            loss = self.task.loss(self.model, *data)
+            loss.backward()
+            self.losses.append(loss.item())
+        else:  # in micro-batches of b_max; on a statistics step in groups, for the batch test
+            self.losses.append(self.diloco.batch.backward(lambda *xs: self.task.loss(self.model, *xs), *data))
+        inner = self.config.inner
+        if inner.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), inner.clip, foreach=False)
+        lr = inner_lr(step, fraction, inner.lr, inner.min_lr, inner.warmup_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()  # DiLoCo's hook: a round's end, its exchange, the next quorum (maybe a heal)
+        self.write_rounds()
+        if console is not None and time.monotonic() - self.shown >= self.config.run.progress_every_s:
+            self.shown = time.monotonic()
+            console.print(self._progress(), markup=False, highlight=False, soft_wrap=True)
 
     def _catch_up(self) -> None:
         """After a heal the step is the peers': read past the samples of the steps this worker did not take."""
-        while self.position < self.diloco.inner_step:
-            self.stream.next_batch(self.b)
-            self.position += 1
+        batch = self.diloco.batch
+        target = self.diloco.inner_step * self.b if batch is None else batch.worker_samples
+        while self.read < target:
+            size = min(target - self.read, 4096)
+            self.stream.next_batch(size)
+            self.read += size
 
     def write_rounds(self, last: bool = False) -> None:
         """A record for each round whose exchange is over (at the end, the last one too)."""
         replica = self.diloco.replica
         assert replica is not None
         done = len(replica.history) if last else len(replica.history) - 1
-        for record in replica.history[self.written : done]:
-            self.tokens = self.diloco.inner_step * self.per_step  # the job's, as adloco train counts them
+        batch = self.diloco.batch
+        for record in replica.history[self.written : done]:  # the job's tokens, as adloco train counts them
+            self.tokens = (
+                self.diloco.inner_step * self.per_step if batch is None else batch.samples_done * self.task.context
+            )
             loss = sum(self.losses) / len(self.losses) if self.losses else None
             fields = {**asdict(record), "round": record.round + 1}
             self.metrics.write("round", **fields, step=self.diloco.inner_step, tokens=self.tokens, train_loss=loss,

@@ -94,6 +94,7 @@ def test_a_replica_of_adloco_train_killed_mid_run_is_left_out_and_started_again_
     records = _rounds(root, 2)  # both lives, appended
     second_life = records[len(first_life) :]
     assert second_life[0]["healed"] and second_life[0]["round"] > first_life[-1]["round"] + 1
+    assert 0 < second_life[0]["process_seconds"] < DEADLINE_S  # its recovery: process start to a committed round
     assert second_life[-1]["round"] == survivors[0][-1]["round"]
     assert second_life[-1]["step"] == survivors[0][-1]["step"] == survivors[1][-1]["step"]
     final = [final_params(root / "job" / f"replica{r}") for r in range(3)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -209,13 +210,15 @@ class _ReplicaLoop:
         done = len(replica.history) if last else len(replica.history) - 1
         batch = self.diloco.batch
         for record in replica.history[self.written : done]:  # the job's tokens, as adloco train counts them
+            first = self.written == 0 and record is replica.history[0]
+            age = {"process_seconds": process_age()} if first and record.committed else {}  # recovery: start to here
             self.tokens = (
                 self.diloco.inner_step * self.per_step if batch is None else batch.samples_done * self.task.context
             )
             loss = sum(self.losses) / len(self.losses) if self.losses else None
             fields = {**asdict(record), "round": record.round + 1}
             self.metrics.write("round", **fields, step=self.diloco.inner_step, tokens=self.tokens, train_loss=loss,
-                               replica=replica.comm.rank)  # fmt: skip
+                               replica=replica.comm.rank, **age)  # fmt: skip
             self.losses = []
         self.metrics.flush()
         self.written = max(self.written, done)
@@ -226,3 +229,13 @@ class _ReplicaLoop:
         last = replica.history[-2] if len(replica.history) > 1 else replica.history[-1]
         return (f"adloco: replica {replica.comm.rank}: step {self.diloco.inner_step}/{self.total_steps}, round "
                 f"{self.diloco.rounds.count}, {last.participants} replicas in the last round")  # fmt: skip
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux's /proc), or None where that cannot be read."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

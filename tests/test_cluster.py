@@ -7,7 +7,7 @@ from adloco.checkpoint import CheckpointError
 from adloco.cluster import Cluster
 from adloco.comm import LocalCommunicator
 from adloco.config import ConfigError, build_config
-from adloco.training import _tokenizer_and_task
+from adloco.training import tokenizer_and_task
 from adloco.worker_group import WorkerGroup
 from tests.conftest import PINNED_PACE as PINNED
 
@@ -16,7 +16,7 @@ TINY = ["model.context=16", "batch.size=3", "batch.b_max=64", "threads=1", "run.
 
 def _cluster(overrides: list[str]) -> Cluster:
     config = build_config(overrides=[*TINY, *overrides])
-    _, task = _tokenizer_and_task(config, None)
+    _, task = tokenizer_and_task(config, None)
     return Cluster(config, task, LocalCommunicator(), torch.device("cpu"))
 
 

@@ -365,12 +365,12 @@ def _train_replica(config, resume: Path | None, console, verbose: bool) -> int:
 
     from adloco.comm.distributed import launched_by_torchrun
     from adloco.replica_training import check_replica_run, train_replica
-    from adloco.training import _tokenizer_and_task
+    from adloco.training import tokenizer_and_task
 
     check_replica_run(config, resume, launched_by_torchrun())
     if config.threads:
         torch.set_num_threads(config.threads)
-    tokenizer, task = _tokenizer_and_task(config, None)
+    tokenizer, task = tokenizer_and_task(config, None)
     with _verbose_log(console) if verbose else contextlib.nullcontext():
         result = train_replica(config, task, tokenizer, console)
     print(f"run directory: {result['run_dir']}")

@@ -32,6 +32,7 @@ from adloco.precision import adamw_kernel
 from adloco.run_dir import write_run_config
 from adloco.runs import lock_run
 from adloco.tasks import Task
+from adloco.training import export_final
 
 log = logging.getLogger("adloco")
 STREAM_SEED_STRIDE = 1_000_003  # worker i's stream seed, as adloco train's workers draw theirs
@@ -104,9 +105,7 @@ def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, metrics: 
                "tokens": loop.tokens, "rounds": diloco.rounds.count, "seconds": seconds}  # fmt: skip
     metrics.write("final", replica=ft.replica, steps=diloco.inner_step, samples_read=loop.read, **summary)
     if config.run.save_final:
-        from adloco.training import _export_final
-
-        _export_final(model, theta, run_dir, tokenizer_info)
+        export_final(model, theta, run_dir, tokenizer_info)
     return summary
 
 

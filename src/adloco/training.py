@@ -88,7 +88,8 @@ def evaluate(model: torch.nn.Module, theta: list[torch.Tensor], blocks: torch.Te
     return mean_next_token_loss(model, theta, blocks, batch)
 
 
-def _export_final(model: torch.nn.Module, theta: list[torch.Tensor], run_dir: Path, tokenizer_info: dict) -> Path:
+def export_final(model: torch.nn.Module, theta: list[torch.Tensor], run_dir: Path, tokenizer_info: dict) -> Path:
+    """θ into ``model`` and saved with the run's tokenizer as ``run_dir/final`` (staged, so written whole or not)."""
     with torch.no_grad():
         for p, t in zip(model.parameters(), theta, strict=True):
             p.copy_(t)
@@ -158,7 +159,7 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
         resume = Path(restart[1])
     elif restart is not None and restart[0] == "again":
         again = Path(restart[1])
-    tokenizer, run_task = _tokenizer_and_task(config, resume)
+    tokenizer, run_task = tokenizer_and_task(config, resume)
     if device.type == "cpu":  # a GPU's own limit is b_max's business (resolve_b_max probes it)
         workers_here = len(hosted_workers(config, comm.rank, comm.world_size))  # a shard of each when sharded
         check_rank_memory(config, run_task.build_skeleton(), run_task.context, workers_here)
@@ -206,7 +207,7 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
             handler.close()
 
 
-def _tokenizer_and_task(config: TrainConfig, resume: Path | None) -> tuple:
+def tokenizer_and_task(config: TrainConfig, resume: Path | None) -> tuple:
     """The run's tokenizer and task; a resumed run reloads the tokenizer it saved (a BPE is never trained twice)."""
     saved = resume / SAVED_DIR if resume is not None and config.data.tokenizer != "byte" else None
     if config.task == "classification":
@@ -565,7 +566,7 @@ def _finish(run: RunState, tokenizer_info: dict) -> TrainResult:
     )
     run.metrics.close()
     if config.run.save_final:
-        _export_final(run.eval_model, thetas[best], run.run_dir, tokenizer_info)
+        export_final(run.eval_model, thetas[best], run.run_dir, tokenizer_info)
     if config.run.plots:
         _plot(run.run_dir)
     comm.broadcast_object({k: v for k, v in result.__dict__.items() if k != "run_dir"}, src=0)

@@ -82,8 +82,8 @@ def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
         "fault_tolerance.replica=0",
         "fault_tolerance.replicas=2",
     ]
-    cli = adloco_process("train", *replica, "method=adloco", cwd=tmp_path)
-    assert cli.returncode == 2 and "runs replicas of diloco, localsgd and streaming for now" in cli.stderr
+    cli = adloco_process("train", *replica, "sync_every=auto", cwd=tmp_path)
+    assert cli.returncode == 2 and "and a fixed sync_every for now" in cli.stderr.splitlines()[-1]
     assert "Traceback" not in cli.stderr
     bad = adloco_process("lighthouse", "--port", "70000", cwd=tmp_path)
     assert bad.returncode == 2 and "not a port number" in bad.stderr.splitlines()[-1]
@@ -216,7 +216,9 @@ def test_the_others_train_on_through(tmp_path, fault):
     method = {"a hung replica": "streaming", "two replicas dying in one round": "eager"}.get(fault, "diloco")
     steps = ["--steps", "80", "--step-seconds", "0.05", "--exchange-timeout", "4", *_METHOD_FLAGS[method]]
     port = _free_port()
-    lighthouse, address = _lighthouse(min_replicas=1, port=port)
+    # a restarted Lighthouse forms quorums of a majority (2 of 3): two quorums of fewer could each train on apart
+    majority = 2 if fault == "a restarted lighthouse" else 1
+    lighthouse, address = _lighthouse(min_replicas=majority, port=port)
     flags = {
         "a hung replica": {2: ["--hang-after", "14"]},
         "two replicas dying in one round": {1: ["--die-after", "14"], 2: ["--die-after", "14"]},
@@ -229,7 +231,7 @@ def test_the_others_train_on_through(tmp_path, fault):
             lighthouse.terminate()
             lighthouse.wait(timeout=30)
             time.sleep(1.0)
-            lighthouse, _ = _lighthouse(min_replicas=1, port=port)
+            lighthouse, _ = _lighthouse(min_replicas=majority, port=port)
         survivors = [r for r in range(3) if r not in flags or fault == "a restarted lighthouse"]
         assert _finish([procs[r] for r in survivors], deadline) == [0] * len(survivors)
         for r in set(flags) - set(survivors):

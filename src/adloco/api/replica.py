@@ -59,6 +59,10 @@ class Replica:
         except ImportError as error:
             raise ValueError(f"fault_tolerance needs torchft (pip install 'adloco[torchft]'): {error}") from None
         assert settings.lighthouse is not None and settings.replica is not None and settings.replicas is not None
+        if settings.min_replicas <= settings.replicas // 2:
+            log.warning("fault_tolerance.min_replicas=%d is not a majority of %d replicas: the job can split into "
+                        "quorums that train apart; a majority (Lighthouse --min-replicas too) rules that out",
+                        settings.min_replicas, settings.replicas)  # fmt: skip
         backend = exchange_backend(settings.backend, device)
         host = settings.host or socket.gethostname()
         timeout = timedelta(seconds=settings.exchange_timeout_s)

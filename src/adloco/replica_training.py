@@ -207,10 +207,12 @@ class _ReplicaLoop:
         replica = self.diloco.replica
         assert replica is not None
         done = len(replica.history) if last else len(replica.history) - 1
+        if done <= self.written:
+            return  # mid-round: nothing to write (this runs after every inner step)
         batch = self.diloco.batch
         for record in replica.history[self.written : done]:  # the job's tokens, as adloco train counts them
-            first = self.written == 0 and record is replica.history[0]
-            age = {"process_seconds": process_age()} if first and record.committed else {}  # recovery: start to here
+            first = record is replica.history[0]  # of this start: its recovery, process start to here
+            age = {"process_seconds": process_age()} if first and record.committed else {}
             self.tokens = (
                 self.diloco.inner_step * self.per_step if batch is None else batch.samples_done * self.task.context
             )
@@ -220,7 +222,7 @@ class _ReplicaLoop:
                                replica=replica.comm.rank, **age)  # fmt: skip
             self.losses = []
         self.metrics.flush()
-        self.written = max(self.written, done)
+        self.written = done
 
     def _progress(self) -> str:
         replica = self.diloco.replica

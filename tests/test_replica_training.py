@@ -17,7 +17,7 @@ from tests.comm.test_distributed import _env
 from tests.conftest import FAST, PINNED_PACE, adloco_process, final_params, same_params
 
 DEADLINE_S = 300
-REPLICA = ["model.context=16", "batch.size=2", "sync_every=4", "inner.warmup_steps=2", "eval.blocks=8",
+REPLICA = ["model.context=16", "batch.size=2", "sync_every=4", "inner.warmup_steps=2", "eval.every=2", "eval.blocks=8",
            "eval.final_full=false", "run.plots=false", "run.progress=false", "threads=1",
            "fault_tolerance.host=127.0.0.1", "fault_tolerance.min_replicas=2",
            "fault_tolerance.quorum_timeout_s=60"]  # fmt: skip
@@ -65,11 +65,17 @@ def test_without_a_fault_replicas_of_adloco_train_end_on_the_bits_of_the_plain_r
                            f"run.root={tmp_path / 'plain'}", "run.name=p")  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-2000:]
     expected = final_params(tmp_path / "plain" / "p")
+    # the plain run evaluates every 2nd round and its last; the replicas every 2nd (the final record, the last)
+    plain_val = {x["round"]: x["val_loss"] for x in read_metrics(tmp_path / "plain" / "p" / "metrics.jsonl")
+                 if x["kind"] == "round" and x["val_loss"] is not None}  # fmt: skip
+    evaluated = list(range(2, rounds + 1, 2))
     for r in (0, 1):
         assert same_params(final_params(root / "job" / f"replica{r}"), expected)
         records = _rounds(root, r)
         assert [x["round"] for x in records] == list(range(1, rounds + 1))
         assert all(x["participants"] == 2 and x["committed"] and not x["absent"] for x in records)
+        val = {x["round"]: x["val_loss"] for x in records if x["val_loss"] is not None}
+        assert list(val) == evaluated and val == {n: plain_val[n] for n in evaluated}  # θ's, to the bit
 
 
 @needs_torchft

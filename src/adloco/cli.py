@@ -22,6 +22,12 @@ def _one_line(message: object) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def _first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type's name where it has none)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line and exit 2, as for every bad input
         self.exit(EXIT_USAGE, f"adloco: error: {_one_line(message)}\n")
@@ -185,7 +191,7 @@ def _command(args: argparse.Namespace) -> int:
         if not launched_by_torchrun():
             raise
         # A dead or hung peer surfaces as a failed or timed-out collective; say so instead of a traceback.
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first_line = _first_line(error)
         rank = os.environ.get("RANK", "?")
         from adloco.comm.distributed import max_restarts, restart_attempt
 
@@ -371,8 +377,20 @@ def _train_replica(config, resume: Path | None, console, verbose: bool) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     tokenizer, task = tokenizer_and_task(config, None)
-    with _verbose_log(console) if verbose else contextlib.nullcontext():
-        result = train_replica(config, task, tokenizer, console)
+    try:
+        with _verbose_log(console) if verbose else contextlib.nullcontext():
+            result = train_replica(config, task, tokenizer, console)
+    except RuntimeError as error:
+        from adloco.errors import StorageError
+        from adloco.training import NonFiniteError
+
+        if isinstance(error, NonFiniteError | StorageError):
+            raise
+        # torchft's failures (no Lighthouse, no quorum in time, a lost exchange) are the job's, not a bug here
+        first_line = _first_line(error)
+        print(f"adloco: error: replica {config.fault_tolerance.replica} stopped ({_one_line(first_line)[:300]}); "
+              "the same command starts it again and it heals from its peers", file=sys.stderr)  # fmt: skip
+        return 1
     print(f"run directory: {result['run_dir']}")
     print(
         f"replica {config.fault_tolerance.replica}: final validation loss {result['val_loss']:.4f} "

@@ -4,9 +4,10 @@ This process is worker ``fault_tolerance.replica`` of the job: the run's model, 
 inner optimizer, in a loop of ``adloco.DiLoCo(fault_tolerance=...)`` (the component a loop of one's own holds).
 Each replica keeps its own run directory, ``run.root/<run.name or "replicas">/replica<i>``; one started again
 with the same command finds it and appends to its ``metrics.jsonl``: one record per round (who took part, who was
-absent, whether it committed, healed or had diverged) and the final evaluation. A replica that joins heals from a
-peer and moves its sample stream to the peers' step, so worker i reads at inner step s what it would have read
-had it never stopped: no sample twice, and the steps it missed are never read.
+absent, whether it committed, healed or had diverged, θ's validation loss every ``eval.every`` rounds) and the
+final evaluation. A replica that joins heals from a peer and moves its sample stream to the peers' step, so
+worker i reads at inner step s what it would have read had it never stopped: no sample twice, and the steps it
+missed are never read.
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ class _ReplicaLoop:
         self.config, self.task, self.model, self.optimizer = config, task, model, optimizer
         self.stream, self.diloco, self.metrics = stream, diloco, metrics
         self.device = next(model.parameters()).device
+        self.eval_model = task.build_model(config.seed).to(self.device)  # θ is evaluated apart from the worker
+        self.val: dict[int, float] = {}  # rounds (counted from 1) evaluated, not yet in a record
         self.b = config.batch.size
         self.per_step = config.fault_tolerance.replicas * self.b * task.context  # tokens per step, all present
         self.total_steps = math.ceil(config.total_tokens / self.per_step)
@@ -187,11 +190,22 @@ class _ReplicaLoop:
         lr = inner_lr(step, fraction, inner.lr, inner.min_lr, inner.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        rounds = self.diloco.rounds.count
         self.optimizer.step()  # DiLoCo's hook: a round's end, its exchange, the next quorum (maybe a heal)
+        if self.diloco.rounds.count != rounds:
+            self._evaluate_if_due()
         self.write_rounds()
         if console is not None and time.monotonic() - self.shown >= self.config.run.progress_every_s:
             self.shown = time.monotonic()
             console.print(self._progress(), markup=False, highlight=False, soft_wrap=True)
+
+    def _evaluate_if_due(self) -> None:
+        """θ of the round that just ended on ``eval.blocks`` validation blocks, every ``eval.every`` rounds (as
+        adloco train's periodic evaluation)."""
+        count = self.diloco.rounds.count
+        if count % self.config.eval.every == 0:
+            theta = [t.detach() for t in self.diloco.theta]
+            self.val[count] = self.task.evaluate(self.eval_model, theta, self.config.eval.blocks).loss
 
     def _catch_up(self) -> None:
         """After a heal the step is the peers': read past the samples of the steps this worker did not take."""
@@ -218,6 +232,8 @@ class _ReplicaLoop:
             )
             loss = sum(self.losses) / len(self.losses) if self.losses else None
             fields = {**asdict(record), "round": record.round + 1}
+            val = self.val.pop(record.round + 1, None)
+            fields["val_loss"] = None if val is None else {0: val}  # by trainer, as adloco train's records
             self.metrics.write("round", **fields, step=self.diloco.inner_step, tokens=self.tokens, train_loss=loss,
                                replica=replica.comm.rank, **age)  # fmt: skip
             self.losses = []

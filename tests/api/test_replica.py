@@ -20,7 +20,7 @@ from adloco import DiLoCo, build_config
 from adloco.comm.replicas import pack_slot, unpack_slots
 from adloco.config import ConfigError
 from tests.comm.test_distributed import _env, _free_port
-from tests.conftest import adloco_process
+from tests.conftest import FAST, adloco_process
 
 LOOP = Path(__file__).with_name("replica_loop.py")
 DEADLINE_S = 240
@@ -87,6 +87,20 @@ def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
     assert "Traceback" not in cli.stderr
     bad = adloco_process("lighthouse", "--port", "70000", cwd=tmp_path)
     assert bad.returncode == 2 and "not a port number" in bad.stderr.splitlines()[-1]
+
+
+@needs_torchft
+def test_a_replica_of_adloco_train_that_finds_no_lighthouse_stops_with_one_line(tmp_path):
+    """Nothing listens at the address: torchft gives up after its connect timeout, and the replica says so in one
+    line (exit 1: the job's failure, not a bad config) instead of a traceback."""
+    replica = ["fault_tolerance.lighthouse=http://127.0.0.1:1", "fault_tolerance.replica=0",
+               "fault_tolerance.replicas=2", "fault_tolerance.exchange_timeout_s=1",
+               "fault_tolerance.quorum_timeout_s=1", "fault_tolerance.quorum_retries=0",
+               "fault_tolerance.host=127.0.0.1"]  # fmt: skip
+    cli = adloco_process("train", *FAST, *replica, "threads=1", cwd=tmp_path)
+    assert cli.returncode == 1, cli.stderr[-2000:]
+    assert cli.stderr.splitlines()[-1].startswith("adloco: error: replica 0 stopped (")
+    assert "heals from its peers" in cli.stderr.splitlines()[-1] and "Traceback" not in cli.stderr
 
 
 @needs_torchft

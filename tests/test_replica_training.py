@@ -29,6 +29,12 @@ REPLICA = ["model.context=16", "batch.size=2", "sync_every=4", "inner.warmup_ste
 ADLOCO = ["method=adloco", "batch.size=1", "batch.b_cap=2", *PINNED_PACE]
 
 
+# A failed exchange is not redone: a replica starting while the survivors redo one can lock one of them out of
+# the job (torchft's Lighthouse counts it toward min_replicas, then leaves it out of their shrink-only quorum;
+# docs/fault-tolerance.md, Not yet). The round a replica died in is dropped instead.
+NO_REDO = ["fault_tolerance.exchange_retries=0"]
+
+
 def _replica(root: Path, lighthouse: str, replica: int, replicas: int, tokens: int, *extra: str) -> subprocess.Popen:
     items = [*REPLICA, *extra, f"total_tokens={tokens}", f"run.root={root}", "run.name=job"]
     items += [f"fault_tolerance.lighthouse={lighthouse}", f"fault_tolerance.replica={replica}"]
@@ -86,20 +92,20 @@ def test_a_replica_of_adloco_train_killed_mid_run_is_left_out_and_started_again_
     tokens = 36864  # about 390 steps of the 3 workers' 2 samples of 16 tokens (the killed one is back by ~30)
     lighthouse, address = _lighthouse(min_replicas=2)
     try:
-        procs = [_replica(root, address, r, 3, tokens, *ADLOCO) for r in range(3)]
+        procs = [_replica(root, address, r, 3, tokens, *ADLOCO, *NO_REDO) for r in range(3)]
         while len(_rounds(root, 2)) < 3 and procs[2].poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         procs[2].kill()  # a few rounds in: its 3rd record is written at the start of its 4th round, so mid-round
         assert _finish([procs[2]], deadline) == [-9]
         first_life = _rounds(root, 2)
-        back = _replica(root, address, 2, 3, tokens, *ADLOCO)
+        back = _replica(root, address, 2, 3, tokens, *ADLOCO, *NO_REDO)
         assert _finish([procs[0], procs[1], back], deadline) == [0, 0, 0]
     finally:
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
     survivors = [_rounds(root, r) for r in (0, 1)]
-    for records in survivors:  # every round of theirs committed, some without replica 2
-        assert all(x["committed"] for x in records) and any(x["absent"] == [2] for x in records)
+    for records in survivors:  # every round of theirs committed but the one replica 2 died in, some without it
+        assert sum(not x["committed"] for x in records) <= 1 and any(x["absent"] == [2] for x in records)
     records = _rounds(root, 2)  # both lives, appended
     second_life = records[len(first_life) :]
     assert second_life[0]["healed"] and second_life[0]["round"] > first_life[-1]["round"] + 1

@@ -380,7 +380,7 @@ def _train_replica(config, resume: Path | None, console, verbose: bool) -> int:
     try:
         with _verbose_log(console) if verbose else contextlib.nullcontext():
             result = train_replica(config, task, tokenizer, console)
-    except RuntimeError as error:
+    except (RuntimeError, TimeoutError) as error:
         from adloco.errors import StorageError
         from adloco.training import NonFiniteError
 

@@ -202,8 +202,9 @@ class _ReplicaLoop:
     def _evaluate_if_due(self) -> None:
         """θ of the round that just ended on ``eval.blocks`` validation blocks, every ``eval.every`` rounds (as
         adloco train's periodic evaluation)."""
-        count = self.diloco.rounds.count
-        if count % self.config.eval.every == 0:
+        count, replica = self.diloco.rounds.count, self.diloco.replica
+        assert replica is not None
+        if count % self.config.eval.every == 0 and not replica.healed:  # healed: the peers' round, not in a record
             theta = [t.detach() for t in self.diloco.theta]
             self.val[count] = self.task.evaluate(self.eval_model, theta, self.config.eval.blocks).loss
 

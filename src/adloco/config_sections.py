@@ -330,10 +330,6 @@ class FaultToleranceConfig(_Section):
         60.0, gt=0, description="A round's exchange, its commit and a heal's transfer; a replica silent for longer "
         "is dropped from the round."
     )  # fmt: skip
-    exchange_retries: int = Field(
-        1, ge=0, description="A failed exchange is retried among the replicas still there this many times before "
-        "the round is dropped."
-    )  # fmt: skip
     quorum_retries: int = Field(
         3, ge=0, description="How often a round's start asks the Lighthouse again after losing it (a restarted "
         "Lighthouse), each after reconnecting for up to exchange_timeout_s."

@@ -203,6 +203,8 @@ def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_p
     for survivor in results[:2]:
         assert len(survivor["history"]) == 30 - survivor["first_step"] // 4
         assert any(h["absent"] == [2] and h["committed"] for h in survivor["history"])
+        dropped = [h["round"] for h in survivor["history"] if not h["committed"]]  # a failed exchange is not redone
+        assert len(dropped) <= 1 and all(n >= 6 // 4 for n in dropped)  # at most the round replica 2 died in
     # the replica started again healed at a round's start and went on from the peers' step
     rejoined = results[2]
     assert rejoined["first_step"] > 6 and rejoined["first_step"] % 4 == 0
@@ -257,8 +259,9 @@ def test_the_others_train_on_through(tmp_path, fault):
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
     histories = _histories(tmp_path, survivors)
-    for history in histories:
-        assert all(h["committed"] for h in history)
+    for history in histories:  # at most the round of the fault is dropped (a failed exchange is not redone)
+        dropped = [h["round"] for h in history if not h["committed"]]
+        assert len(dropped) <= (0 if fault == "a restarted lighthouse" else 1) and all(n >= 14 // 4 for n in dropped)
         assert sorted(set(flags) - set(survivors)) == history[-1]["absent"]  # the faulty ones are left out at the end
     if fault == "a restarted lighthouse":  # replica 2 found it at the exchange of round 5 (steps 20-23), healed next
         moved = histories[2]

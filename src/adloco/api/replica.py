@@ -92,9 +92,7 @@ class Replica:
         # torchft warns at every quorum that a CPU job has no NCCL flight recorder to reset: nothing to act on
         logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
         transport = device if backend == "nccl" else torch.device("cpu")
-        self.comm = ReplicaCommunicator(
-            self.manager, settings.replica, settings.replicas, settings.exchange_retries, transport
-        )
+        self.comm = ReplicaCommunicator(self.manager, settings.replica, settings.replicas, transport)
         self.history: list[RoundFaults] = []
 
     def _heal(self, state: Any) -> None:

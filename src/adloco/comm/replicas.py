@@ -73,13 +73,10 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
 
     shards, shard = 1, 0  # a replica is one process
 
-    def __init__(
-        self, manager: Any, replica: int, replicas: int, retries: int = 1, device: torch.device | None = None
-    ) -> None:
+    def __init__(self, manager: Any, replica: int, replicas: int, device: torch.device | None = None) -> None:
         self.manager = manager
         self.device = device or torch.device("cpu")  # where the exchange's buffers live: the GPU for NCCL
         self.rank, self.world_size = replica, replicas
-        self.retries = retries  # a failed exchange is tried again this often among the replicas still there
         self.stats = CommStats()
         self.absent: frozenset[int] = frozenset()
         self.committed = False  # whether the last exchange committed
@@ -107,17 +104,13 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         return self.manager.errored() is None
 
     def _committed_exchange(self, own: list[torch.Tensor]) -> torch.Tensor | None:
-        """The summed slots of a committed exchange, tried again among the replicas still there (a quorum that
-        may only shrink: a replica joining now would have no round to contribute) after a failure; None when
-        every try failed."""
-        for attempt in range(self.retries + 1):
-            if attempt:  # no heal mid-round: a replica that fell behind would go on in a round it did not start
-                self.manager.start_quorum(shrink_only=True, allow_heal=False)
-            buffer = pack_slot(own, self.rank, self.world_size, self.device)
-            exchanged = self._all_reduce(buffer)
-            if self.manager.should_commit() and exchanged:
-                return buffer
-        return None
+        """The summed slots of the exchange; None when it failed or did not commit. A failed exchange is never
+        redone: its round is dropped, so every quorum the replicas ask for is a round's own, where a replica that
+        fell behind (or joins, or committed less) heals. A redo in a quorum of its own let a joining replica make
+        up the Lighthouse's count for a quorum it was then left out of, locking a survivor out (fault-tolerance.md)."""
+        buffer = pack_slot(own, self.rank, self.world_size, self.device)
+        exchanged = self._all_reduce(buffer)
+        return buffer if self.manager.should_commit() and exchanged else None
 
     def gather_over_workers(
         self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]

@@ -1,7 +1,8 @@
 """``adloco train`` as fault-tolerant replicas: real ``adloco train`` processes on loopback, an ``adloco
 lighthouse`` process between them. Without a fault the replicas end on the bits of the plain run with as many
 workers; a replica killed mid-run is left out, and started again with the same command it heals, its records in
-its own metrics.jsonl going on where its first life's stopped."""
+its own metrics.jsonl going on where its first life's stopped; replicas all killed at once go on from their own
+checkpoints."""
 
 import subprocess
 import sys
@@ -9,7 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from adloco.checkpoint import save_checkpoint
 from adloco.config_input import layered
 from adloco.records import read_metrics
 from tests.api.test_replica import _finish, _lighthouse, needs_torchft
@@ -27,12 +30,6 @@ REPLICA = ["model.context=16", "batch.size=2", "sync_every=4", "inner.warmup_ste
 
 # AdLoCo: the time-aware controller on pinned costs grows b from 1 (to 2 here, or 8 in the no-fault case)
 ADLOCO = ["method=adloco", "batch.size=1", "batch.b_cap=2", *PINNED_PACE]
-
-
-# A failed exchange is not redone: a replica starting while the survivors redo one can lock one of them out of
-# the job (torchft's Lighthouse counts it toward min_replicas, then leaves it out of their shrink-only quorum;
-# docs/fault-tolerance.md, Not yet). The round a replica died in is dropped instead.
-NO_REDO = ["fault_tolerance.exchange_retries=0"]
 
 
 def _replica(root: Path, lighthouse: str, replica: int, replicas: int, tokens: int, *extra: str) -> subprocess.Popen:
@@ -92,20 +89,23 @@ def test_a_replica_of_adloco_train_killed_mid_run_is_left_out_and_started_again_
     tokens = 36864  # about 390 steps of the 3 workers' 2 samples of 16 tokens (the killed one is back by ~30)
     lighthouse, address = _lighthouse(min_replicas=2)
     try:
-        procs = [_replica(root, address, r, 3, tokens, *ADLOCO, *NO_REDO) for r in range(3)]
+        procs = [_replica(root, address, r, 3, tokens, *ADLOCO) for r in range(3)]
         while len(_rounds(root, 2)) < 3 and procs[2].poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         procs[2].kill()  # a few rounds in: its 3rd record is written at the start of its 4th round, so mid-round
         assert _finish([procs[2]], deadline) == [-9]
         first_life = _rounds(root, 2)
-        back = _replica(root, address, 2, 3, tokens, *ADLOCO, *NO_REDO)
+        back = _replica(root, address, 2, 3, tokens, *ADLOCO)
         assert _finish([procs[0], procs[1], back], deadline) == [0, 0, 0]
     finally:
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
     survivors = [_rounds(root, r) for r in (0, 1)]
-    for records in survivors:  # every round of theirs committed but the one replica 2 died in, some without it
-        assert sum(not x["committed"] for x in records) <= 1 and any(x["absent"] == [2] for x in records)
+    for records in survivors:  # every round of theirs committed but at most the one replica 2 died in (dropped,
+        # not redone), some without it
+        dropped = [x["round"] for x in records if not x["committed"]]
+        assert len(dropped) <= 1 and all(n > first_life[-1]["round"] for n in dropped)
+        assert any(x["absent"] == [2] for x in records)
     records = _rounds(root, 2)  # both lives, appended
     second_life = records[len(first_life) :]
     assert second_life[0]["healed"] and second_life[0]["round"] > first_life[-1]["round"] + 1
@@ -117,3 +117,53 @@ def test_a_replica_of_adloco_train_killed_mid_run_is_left_out_and_started_again_
     ends = [[x for x in read_metrics(root / "job" / f"replica{r}" / "metrics.jsonl") if x["kind"] == "final"][-1]
             for r in range(3)]  # fmt: skip
     assert ends[0]["samples_read"] == ends[1]["samples_read"] == ends[2]["samples_read"] > 0
+
+
+@needs_torchft
+def test_replicas_of_adloco_train_all_killed_go_on_from_their_checkpoints_to_the_plain_runs_bits(tmp_path):
+    """Both replicas SIGKILLed a round or two past their checkpoint of round 4 (of 16) and started again with the
+    same command: each loads its own checkpoint before its first quorum, neither heals (both are at the same
+    step), the rounds after the checkpoint are trained again with their records from before dropped, and both end
+    on the plain run's bits."""
+    root, deadline = tmp_path / "runs", time.monotonic() + DEADLINE_S
+    tokens = 4096  # 16 rounds of 4 steps of 2 workers' 2 samples of 16 tokens
+    lighthouse, address = _lighthouse(min_replicas=2)
+    try:
+        procs = [_replica(root, address, r, 2, tokens, "checkpoint.every=4") for r in (0, 1)]
+        while len(_rounds(root, 0)) < 5 and procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for proc in procs:
+            proc.kill()
+        assert _finish(procs, deadline) == [-9, -9]
+        first_lives = [_rounds(root, r) for r in (0, 1)]
+        saved = [sorted((root / "job" / f"replica{r}" / "checkpoints").glob("round_*.pt")) for r in (0, 1)]
+        assert [p.name for p in saved[0]] == [p.name for p in saved[1]] and saved[0]
+        resumed_at = int(saved[0][-1].stem.split("_")[1])
+        assert resumed_at < max(len(lives) for lives in first_lives) < 16  # rounds past it are trained again
+        back = [_replica(root, address, r, 2, tokens, "checkpoint.every=4") for r in (0, 1)]
+        assert _finish(back, deadline) == [0, 0]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    plain = adloco_process("train", *FAST, "batched_workers=false", f"total_tokens={tokens}",
+                           f"run.root={tmp_path / 'plain'}", "run.name=p")  # fmt: skip
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    expected = final_params(tmp_path / "plain" / "p")
+    for r in (0, 1):
+        assert same_params(final_params(root / "job" / f"replica{r}"), expected)
+        records = _rounds(root, r)
+        assert [x["round"] for x in records] == list(range(1, 17))  # once each: the redone rounds' old records gone
+        second_life = records[resumed_at]
+        assert not second_life["healed"] and second_life["committed"] and "process_seconds" in second_life
+
+
+@needs_torchft
+def test_a_replica_whose_checkpoint_is_another_models_stops_with_one_line(tmp_path):
+    """Its checkpoint is read before it asks for a quorum: a wrong one is bad input (exit 2), named by folder."""
+    folder = tmp_path / "runs" / "job" / "replica0" / "checkpoints"
+    folder.mkdir(parents=True)
+    save_checkpoint(folder, 4, {"diloco": {}, "model": {"embedding.weight": torch.zeros(3)}, "optimizer": {}}, keep=2)
+    proc = _replica(tmp_path / "runs", "http://127.0.0.1:9", 0, 2, 2048)  # nothing listens: never reached
+    _, err = proc.communicate(timeout=DEADLINE_S)
+    assert proc.returncode == 2, err[-2000:]
+    assert len(err.strip().splitlines()) == 1 and "another model's" in err and str(folder) in err

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from adloco import __version__
+from adloco.errors import first_line
 
 EXIT_USAGE = 2
 
@@ -20,12 +21,6 @@ def _one_line(message: object) -> str:
     that input holds what no encoding can write (a lone surrogate from an undecodable argument)."""
     text = str(message).replace("\r", "\\r").replace("\n", "\\n")
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _first_line(error: BaseException) -> str:
-    """The first line of an exception's message (its type's name where it has none)."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 class _Parser(argparse.ArgumentParser):
@@ -191,7 +186,7 @@ def _command(args: argparse.Namespace) -> int:
         if not launched_by_torchrun():
             raise
         # A dead or hung peer surfaces as a failed or timed-out collective; say so instead of a traceback.
-        first_line = _first_line(error)
+        line = first_line(error)
         rank = os.environ.get("RANK", "?")
         from adloco.comm.distributed import max_restarts, restart_attempt
 
@@ -201,7 +196,7 @@ def _command(args: argparse.Namespace) -> int:
             else "the job stops here; resume with --resume RUN_DIR from the last checkpoint"
         )
         print(
-            f"adloco: error: rank {rank} lost contact with the other ranks ({first_line[:200]}); {then}",
+            f"adloco: error: rank {rank} lost contact with the other ranks ({line[:200]}); {then}",
             file=sys.stderr,
         )
         return 1
@@ -387,8 +382,8 @@ def _train_replica(config, resume: Path | None, console, verbose: bool) -> int:
         if isinstance(error, NonFiniteError | StorageError):
             raise
         # torchft's failures (no Lighthouse, no quorum in time, a lost exchange) are the job's, not a bug here
-        first_line = _first_line(error)
-        print(f"adloco: error: replica {config.fault_tolerance.replica} stopped ({_one_line(first_line)[:300]}); "
+        line = first_line(error)
+        print(f"adloco: error: replica {config.fault_tolerance.replica} stopped ({_one_line(line)[:300]}); "
               "the same command starts it again and it heals from its peers", file=sys.stderr)  # fmt: skip
         return 1
     print(f"run directory: {result['run_dir']}")

@@ -4,6 +4,12 @@ nothing heavy: the command line can name a typo or a missing run directory befor
 from __future__ import annotations
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type's name where it has none)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 class ConfigError(ValueError):
     """A configuration problem, reported as one line naming the key."""
 

@@ -7,7 +7,9 @@ with the same command finds it and appends to its ``metrics.jsonl``: one record 
 absent, whether it committed, healed or had diverged, θ's validation loss every ``eval.every`` rounds) and the
 final evaluation. A replica that joins heals from a peer and moves its sample stream to the peers' step, so
 worker i reads at inner step s what it would have read had it never stopped: no sample twice, and the steps it
-missed are never read.
+missed are never read. Every ``checkpoint.every`` rounds (or ``checkpoint.every_minutes``) a replica writes its
+own checkpoint; one started again loads its newest before its first quorum, so a job whose replicas all died
+goes on from their checkpoints (the replicas furthest on are the source the others heal from).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from rich.console import Console
 
 from adloco.algorithms.schedules import inner_lr
 from adloco.api import DiLoCo
+from adloco.checkpoint import latest_checkpoint, save_checkpoint
 from adloco.config import ConfigError, TrainConfig
 from adloco.data.tokenization import SAVED_DIR, save_tokenizer
+from adloco.errors import CheckpointError, first_line
 from adloco.metrics import MetricsWriter
 from adloco.placement import resolve_device
 from adloco.precision import adamw_kernel
@@ -37,6 +41,7 @@ from adloco.training import export_final
 
 log = logging.getLogger("adloco")
 STREAM_SEED_STRIDE = 1_000_003  # worker i's stream seed, as adloco train's workers draw theirs
+CHECKPOINTS = "checkpoints"  # a replica's checkpoints, in its run directory
 
 
 def check_replica_run(config: TrainConfig, resume: Path | None, torchrun: bool) -> None:
@@ -44,7 +49,8 @@ def check_replica_run(config: TrainConfig, resume: Path | None, torchrun: bool) 
     if torchrun:
         raise ConfigError("fault_tolerance: each replica is a process of its own; start it without torchrun")
     if resume is not None:
-        raise ConfigError("--resume: a replica started again heals from its peers; start it with the same command")
+        raise ConfigError("--resume: a replica started again goes on from its own checkpoint, or heals from its "
+                          "peers when they are further on; start it with the same command")  # fmt: skip
     if config.shards != 1 or config.elastic or config.sync_every == "auto":
         raise ConfigError("fault_tolerance: adloco train's replicas take shards=1, elastic=false and a fixed "
                           "sync_every for now")  # fmt: skip
@@ -71,11 +77,7 @@ def train_replica(config: TrainConfig, task: Task, tokenizer: Any, console: Cons
         write_run_config(run_dir, config)
         if not (run_dir / SAVED_DIR).exists():
             save_tokenizer(tokenizer, run_dir / SAVED_DIR)
-        metrics = MetricsWriter(run_dir / "metrics.jsonl")
-        try:
-            return {"run_dir": run_dir, **_train_in(config, task, tokenizer.describe(), run_dir, metrics, console)}
-        finally:
-            metrics.close()
+        return {"run_dir": run_dir, **_train_in(config, task, tokenizer.describe(), run_dir, console)}
     except BaseException as raised:
         error = raised
         raise
@@ -83,15 +85,51 @@ def train_replica(config: TrainConfig, task: Task, tokenizer: Any, console: Cons
         lock.release(error)
 
 
-def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, metrics: MetricsWriter, console) -> dict:
+def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, console) -> dict:
     ft = config.fault_tolerance
     device = resolve_device(config)
     model = task.build_model(config.seed).to(device)
     optimizer = _inner_optimizer(model, config, device)
     stream = task.stream(config.seed * STREAM_SEED_STRIDE + ft.replica, worker=ft.replica, workers=ft.replicas)
     started = time.perf_counter()
-    diloco = DiLoCo(model, optimizer, config.sync_every, config.method, **_sections(config, task))
-    loop = _ReplicaLoop(config, task, model, optimizer, stream, diloco, metrics)
+    saved = _own_checkpoint(run_dir / CHECKPOINTS, model, optimizer)
+    try:
+        diloco = DiLoCo(model, optimizer, config.sync_every, config.method, **_sections(config, task),
+                        state=None if saved is None else saved["diloco"])  # fmt: skip
+    except ValueError as error:
+        if saved is None:
+            raise
+        raise CheckpointError(f"{error} (the checkpoint in {run_dir / CHECKPOINTS})") from None
+    assert diloco.replica is not None
+    # went on from its own checkpoint (no peer further on): the rounds after it are trained again, so their
+    # records from before go; after a heal the records stand (those rounds were the job's)
+    resumed = saved is not None and not diloco.replica.healed
+    metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_round=saved["round"] if resumed else None)
+    try:
+        loop = _ReplicaLoop(config, task, stream, diloco, metrics, run_dir / CHECKPOINTS)
+        return _train_with(loop, config, tokenizer_info, run_dir, console, started)
+    finally:
+        metrics.close()
+
+
+def _own_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
+    """This replica's newest checkpoint, with the model's and the inner optimizer's state loaded from it; None
+    when it wrote none. DiLoCo's part is loaded before its first quorum."""
+    saved = latest_checkpoint(directory)
+    if saved is None:
+        return None
+    if not {"diloco", "model", "optimizer"} <= set(saved):
+        raise CheckpointError(f"the checkpoint in {directory} is not a replica's: it lacks its model or DiLoCo state")
+    try:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise CheckpointError(f"the checkpoint in {directory} is another model's ({first_line(error)})") from None
+    return saved
+
+
+def _train_with(loop: _ReplicaLoop, config, tokenizer_info: dict, run_dir: Path, console, started: float) -> dict:
+    ft, task, model, diloco, metrics = config.fault_tolerance, loop.task, loop.model, loop.diloco, loop.metrics
     if config.run.progress:
         console.print(f"adloco: replica {ft.replica} of {ft.replicas} at step {diloco.inner_step}, run directory "
                       f"{run_dir}", markup=False, highlight=False, soft_wrap=True)  # fmt: skip
@@ -131,10 +169,10 @@ class _ReplicaLoop:
     """The inner steps of one replica: its stream at DiLoCo's step, the scheduled lr, a record per round. With
     ``method=adloco`` the adaptive batch decides how many samples a step reads and the budget ends the run."""
 
-    def __init__(self, config, task, model, optimizer, stream, diloco: DiLoCo, metrics: MetricsWriter) -> None:
-        self.config, self.task, self.model, self.optimizer = config, task, model, optimizer
-        self.stream, self.diloco, self.metrics = stream, diloco, metrics
-        self.device = next(model.parameters()).device
+    def __init__(self, config, task, stream, diloco: DiLoCo, metrics: MetricsWriter, checkpoints: Path) -> None:
+        self.config, self.task, self.model, self.optimizer = config, task, diloco.model, diloco.optimizer
+        self.stream, self.diloco, self.metrics, self.checkpoints = stream, diloco, metrics, checkpoints
+        self.device = next(self.model.parameters()).device
         self.eval_model = task.build_model(config.seed).to(self.device)  # θ is evaluated apart from the worker
         self.val: dict[int, float] = {}  # rounds (counted from 1) evaluated, not yet in a record
         self.b = config.batch.size
@@ -144,7 +182,7 @@ class _ReplicaLoop:
         self.written = 0  # rounds of diloco.replica.history in metrics.jsonl
         self.losses: list[float] = []
         self.tokens = 0
-        self.shown = time.monotonic()
+        self.shown = self.saved_at = time.monotonic()
 
     def run(self, console: Console | None) -> None:
         with self.diloco:
@@ -194,6 +232,7 @@ class _ReplicaLoop:
         self.optimizer.step()  # DiLoCo's hook: a round's end, its exchange, the next quorum (maybe a heal)
         if self.diloco.rounds.count != rounds:
             self._evaluate_if_due()
+            self._checkpoint_if_due()
         self.write_rounds()
         if console is not None and time.monotonic() - self.shown >= self.config.run.progress_every_s:
             self.shown = time.monotonic()
@@ -207,6 +246,21 @@ class _ReplicaLoop:
         if count % self.config.eval.every == 0 and not replica.healed:  # healed: the peers' round, not in a record
             theta = [t.detach() for t in self.diloco.theta]
             self.val[count] = self.task.evaluate(self.eval_model, theta, self.config.eval.blocks).loss
+
+    def _checkpoint_if_due(self) -> None:
+        """This replica's state at a round's end (its next quorum formed), every ``checkpoint.every`` rounds or
+        ``checkpoint.every_minutes``: DiLoCo's (θ, outer state, counters, torchft's step), the model's and the
+        inner optimizer's. Written atomically; the stream needs nothing (it reads on from the step)."""
+        every, minutes = self.config.checkpoint.every, self.config.checkpoint.every_minutes
+        count = self.diloco.rounds.count
+        late = minutes is not None and time.monotonic() - self.saved_at >= 60 * minutes
+        if count % every and not late:
+            return
+        state = {"diloco": self.diloco.state_dict(), "model": self.model.state_dict(),
+                 "optimizer": self.optimizer.state_dict()}  # fmt: skip
+        self.checkpoints.mkdir(exist_ok=True)
+        save_checkpoint(self.checkpoints, count, state, self.config.checkpoint.keep)
+        self.saved_at = time.monotonic()
 
     def _catch_up(self) -> None:
         """After a heal the step is the peers': read past the samples of the steps this worker did not take."""

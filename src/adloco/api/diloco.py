@@ -72,7 +72,8 @@ class DiLoCo(LoopState):
     round's end from the loop's measured step and exchange times and the workers' dispersion (bounds and scale
     in ``sync_auto``; ``rounds.length`` is the H of the round in progress, ``rounds.last`` the last decision).
     Its state (θ, outer state, exchanges in flight, error feedback) comes and goes with
-    ``state_dict``/``load_state_dict``, also as a ``torch.distributed.checkpoint`` ``Stateful``.
+    ``state_dict``/``load_state_dict``, also as a ``torch.distributed.checkpoint`` ``Stateful``; ``state`` loads
+    one at the start, before a fault-tolerant replica's first quorum (so it heals only from peers further on).
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class DiLoCo(LoopState):
         merge: dict[str, Any] | None = None,
         sync_auto: dict[str, Any] | None = None,
         fault_tolerance: dict[str, Any] | None = None,
+        state: dict[str, Any] | None = None,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -129,6 +131,8 @@ class DiLoCo(LoopState):
         self._hooks: list[Any] = []
         self.last_round: RoundState | None = None  # the round that ended last, with every worker's report
         self._finished = self._finishing = False
+        if state is not None:  # before a replica's first quorum, which heals it from peers that are further on
+            self.load_state_dict(state)
         if self.replica is not None:
             self.replica.start_round()
 

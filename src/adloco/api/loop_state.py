@@ -13,6 +13,7 @@ from adloco.algorithms.sharding import local_rows
 from adloco.sync.rounds import WorkerRound
 
 if TYPE_CHECKING:
+    from adloco.api.replica import Replica
     from adloco.api.worker import WorkerShards
     from adloco.config import TrainConfig
 
@@ -42,6 +43,7 @@ class LoopState:
     rank: int
     world_size: int
     params: list[torch.Tensor]
+    replica: Replica | None
 
     def state_dict(self) -> dict[str, Any]:
         """θ, the outer optimizer state, exchanges in flight, this rank's error feedback (and eager copy) and the
@@ -58,11 +60,17 @@ class LoopState:
             "worker": self.sync.worker_state(self.rank) if own_worker else None,
             "round": self._state.local[self.rank].to_tensor(),
             "batch": None if self.batch is None else self.batch.state_dict(),
+            "replica": self._replica_state() if own_worker else None,
             **self.rounds.state_dict(),
         }
         buffer = io.BytesIO()
         torch.save(state, buffer)
         return buffer.getvalue()
+
+    def _replica_state(self) -> dict[str, int] | None:
+        """A fault-tolerant replica's torchft step (its count of commits), which its checkpoint carries: replicas
+        started again from checkpoints heal from the one furthest on, and not at all when all are alike."""
+        return None if self.replica is None else dict(self.replica.manager.state_dict())
 
     def _shared_state(self) -> bytes:
         """What a joining replica heals from: this state without this worker's own error feedback."""
@@ -114,6 +122,8 @@ class LoopState:
         if self.batch is not None:
             self.batch.load_state_dict(state["batch"])  # the round's plan and β2 follow the batch it holds
             self.batch.first_step = self.round_step == 0
+        if state.get("replica") is not None and self.replica is not None:
+            self.replica.manager.load_state_dict(state["replica"])
 
     @property
     def _state_key(self) -> str:

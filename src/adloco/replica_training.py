@@ -28,6 +28,7 @@ from rich.console import Console
 from adloco.algorithms.schedules import inner_lr
 from adloco.api import DiLoCo
 from adloco.checkpoint import latest_checkpoint, save_checkpoint
+from adloco.cluster import lr_ratio
 from adloco.config import ConfigError, TrainConfig
 from adloco.data.tokenization import SAVED_DIR, save_tokenizer
 from adloco.errors import CheckpointError, first_line
@@ -51,9 +52,11 @@ def check_replica_run(config: TrainConfig, resume: Path | None, torchrun: bool) 
     if resume is not None:
         raise ConfigError("--resume: a replica started again goes on from its own checkpoint, or heals from its "
                           "peers when they are further on; start it with the same command")  # fmt: skip
-    if config.shards != 1 or config.elastic or config.sync_every == "auto":
-        raise ConfigError("fault_tolerance: adloco train's replicas take shards=1, elastic=false and a fixed "
-                          "sync_every for now")  # fmt: skip
+    if config.shards != 1 or config.elastic:
+        raise ConfigError("fault_tolerance: adloco train's replicas take shards=1 and elastic=false for now")
+    if config.method == "adloco" and config.sync_every == "auto":
+        raise ConfigError("fault_tolerance: AdLoCo's replicas take a fixed sync_every for now (its controller "
+                          "chooses b and H together within one job only)")  # fmt: skip
 
 
 def replica_run_dir(config: TrainConfig) -> Path:
@@ -156,8 +159,8 @@ def _inner_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.
 
 def _sections(config: TrainConfig, task: Task) -> dict[str, Any]:
     """DiLoCo's settings from the run's config sections (AdLoCo: its batch and the budget in samples)."""
-    sections = {"outer": config.outer.model_dump(), "codec": config.codec.model_dump(),
-                "fault_tolerance": config.fault_tolerance.model_dump()}  # fmt: skip
+    names = ("outer", "codec", "sync_auto", "fault_tolerance")
+    sections = {name: getattr(config, name).model_dump() for name in names}
     if config.method == "streaming":
         sections["streaming"] = config.streaming.model_dump()
     if config.method == "adloco":
@@ -228,6 +231,8 @@ class _ReplicaLoop:
         lr = inner_lr(step, fraction, inner.lr, inner.min_lr, inner.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        # sync_every=auto weighs the next round's lr, as adloco train's does (read only at a round's end)
+        self.diloco.rounds.lr_ratio = lr_ratio(self.config, step + 1, self._tokens_left(step + 1))
         rounds = self.diloco.rounds.count
         self.optimizer.step()  # DiLoCo's hook: a round's end, its exchange, the next quorum (maybe a heal)
         if self.diloco.rounds.count != rounds:
@@ -237,6 +242,12 @@ class _ReplicaLoop:
         if console is not None and time.monotonic() - self.shown >= self.config.run.progress_every_s:
             self.shown = time.monotonic()
             console.print(self._progress(), markup=False, highlight=False, soft_wrap=True)
+
+    def _tokens_left(self, step: int) -> int:
+        """The budget's tokens not yet trained at inner step ``step`` (AdLoCo: after the samples done so far)."""
+        batch = self.diloco.batch
+        done = step * self.per_step if batch is None else batch.samples_done * self.task.context
+        return max(0, self.config.total_tokens - done)
 
     def _evaluate_if_due(self) -> None:
         """θ of the round that just ended on ``eval.blocks`` validation blocks, every ``eval.every`` rounds (as
@@ -300,7 +311,8 @@ class _ReplicaLoop:
         assert replica is not None
         last = replica.history[-2] if len(replica.history) > 1 else replica.history[-1]
         return (f"adloco: replica {replica.comm.rank}: step {self.diloco.inner_step}/{self.total_steps}, round "
-                f"{self.diloco.rounds.count}, {last.participants} replicas in the last round")  # fmt: skip
+                f"{self.diloco.rounds.count} (H={self.diloco.rounds.length}), {last.participants} replicas in the "
+                "last round")  # fmt: skip
 
 
 def process_age() -> float | None:

@@ -134,7 +134,7 @@ class DiLoCo(LoopState):
         if state is not None:  # before a replica's first quorum, which heals it from peers that are further on
             self.load_state_dict(state)
         if self.replica is not None:
-            self.replica.start_round()
+            self._join_round()
 
     def _connect(
         self, method: str, sync_every: int | str, sections: dict[str, Any], trainers: int, process_group: Any
@@ -273,7 +273,13 @@ class DiLoCo(LoopState):
         if self.replica is not None:
             self.replica.end_round()
             if not self._finishing:
-                self.replica.start_round()
+                self._join_round()
+
+    def _join_round(self) -> None:
+        """The next round's quorum (a heal there replaces this replica's state), and the round's H in its record."""
+        assert self.replica is not None
+        self.replica.start_round()
+        self.replica.history[-1].sync_every = self.rounds.length
 
     def _across_trainers(self, state: RoundState, steps: int) -> None:
         """Every trainer's state and reports to every rank (several trainers: each rank runs one), the round's

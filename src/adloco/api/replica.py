@@ -39,6 +39,7 @@ class RoundFaults:
     healed: bool = False  # this replica healed from a peer at the round's start
     diverged: bool = False  # its θ was unlike its peers' at the round's exchange: it heals at the next round
     quorum_seconds: float = 0.0
+    sync_every: int = 0  # H of the round (sync_every=auto: the job's choice, the same on every replica)
     started: float = 0.0  # wall-clock time (time.time()) the round's quorum formed
 
 

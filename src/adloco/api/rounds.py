@@ -25,6 +25,8 @@ class LoopRounds:
         self.last: SyncDecision | None = None  # the last round's H decision (or figures, for a fixed H)
         self.started = time.perf_counter()
         self.exchange_seconds = math.nan  # the last round boundary's wall time: its exposed exchange
+        # the inner lr of the coming round over its peak, which a loop with a decaying lr sets: H grows as it falls
+        self.lr_ratio = 1.0
 
     @property
     def length(self) -> int:
@@ -53,7 +55,7 @@ class LoopRounds:
     def end(self, state: RoundState, trainers: Iterable[Trainer]) -> None:
         """Once every trainer's reports and dispersion reached every rank: the next round's H."""
         ranks = {w: w for w in state.reports}  # one worker per rank
-        self.last = next_sync_every(self.auto, self.length, state, ranks, trainers)
+        self.last = next_sync_every(self.auto, self.length, state, ranks, trainers, self.lr_ratio)
         self.count += 1
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """One fault-tolerant replica trained by a framework: an HF ``Trainer`` or a Lightning fit, in a plain process.
 
     python replica_run.py OUT hf|lightning --replica I --lighthouse ADDR [--die-after N] [--step-seconds T]
+        [--checkpoints [--resume]]
 
 Replica I reads its own shard of the windows. ``--die-after N`` SIGKILLs the process after it took N optimizer
 steps (mid-round when N is not a multiple of H); ``--step-seconds`` makes each step take that much longer, so the
-others are still training when a killed replica comes back. At the end it writes θ (``OUT/replica<I>.pt``) and
+others are still training when a killed replica comes back; ``--checkpoints`` has the Trainer save every H steps
+and ``--resume`` resumes it from its last checkpoint. At the end it writes θ (``OUT/replica<I>.pt``) and
 ``OUT/replica<I>.json``: the framework's step when training began and at the end (after a heal, the peers'),
 DiLoCo's step when training began, the last learning rate, and the rounds' records.
 """
@@ -50,8 +52,12 @@ class Fate:
         time.sleep(self.seconds)
 
 
-def run_hf(replica: int, ft: dict, fate: Fate, out: Path) -> dict:
+def run_hf(replica: int, ft: dict, fate: Fate, out: Path, checkpoints: bool = False, resume: bool = False) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Resumed(TrainerCallback):  # before DiLoCo's: the step the Trainer resumed at, before a heal moves it
+        def on_train_begin(self, args, state, control, **kwargs) -> None:
+            self.at = state.global_step
 
     class Watch(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs) -> None:
@@ -62,16 +68,18 @@ def run_hf(replica: int, ft: dict, fate: Fate, out: Path) -> dict:
 
     args = TrainingArguments(
         output_dir=str(out / f"hf{replica}"), per_device_train_batch_size=2, max_steps=STEPS, learning_rate=LR,
-        use_cpu=True, report_to=[], logging_strategy="no", save_strategy="no", disable_tqdm=True, seed=0,
-        dataloader_num_workers=0,
+        use_cpu=True, report_to=[], logging_strategy="no", save_strategy="steps" if checkpoints else "no",
+        save_steps=SYNC_EVERY, disable_tqdm=True, seed=0, dataloader_num_workers=0,
     )  # fmt: skip
-    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Shard(replica))
+    resumed = Resumed()
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Shard(replica), callbacks=[resumed])
     callback = use_diloco(trainer, sync_every=SYNC_EVERY, fault_tolerance=ft)
     watch = Watch()
     trainer.add_callback(watch)  # after DiLoCo's: it sees the Trainer's step once a heal moved it
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if resume else None)
     lr = trainer.lr_scheduler.get_last_lr()[0]
-    return _result(trainer.model, callback.diloco, watch.start, trainer.state.global_step, lr)
+    result = _result(trainer.model, callback.diloco, watch.start, trainer.state.global_step, lr)
+    return {**result, "resumed_at": resumed.at}
 
 
 def run_lightning(replica: int, ft: dict, fate: Fate, out: Path) -> dict:
@@ -123,14 +131,18 @@ def main() -> None:
     parser.add_argument("--lighthouse", required=True)
     parser.add_argument("--die-after", type=int, default=None)
     parser.add_argument("--step-seconds", type=float, default=0.0)
+    parser.add_argument("--checkpoints", action="store_true", help="hf: save a checkpoint every H steps")
+    parser.add_argument("--resume", action="store_true", help="hf: resume from the last checkpoint")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     ft = {"lighthouse": args.lighthouse, "replica": args.replica, "replicas": REPLICAS, "host": "127.0.0.1",
           "exchange_timeout_s": 20.0, "quorum_timeout_s": 60.0}  # fmt: skip
     out, fate = Path(args.out), Fate(args.die_after, args.step_seconds)
-    run = run_hf if args.framework == "hf" else run_lightning
-    result = run(args.replica, ft, fate, out)
+    if args.framework == "hf":
+        result = run_hf(args.replica, ft, fate, out, args.checkpoints, args.resume)
+    else:
+        result = run_lightning(args.replica, ft, fate, out)
     torch.save(result.pop("theta"), out / f"replica{args.replica}.pt")
     (out / f"replica{args.replica}.json").write_text(json.dumps(result))
 

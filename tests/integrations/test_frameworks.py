@@ -70,31 +70,34 @@ def test_a_lightning_fit_resumed_from_a_checkpoint_without_diloco_state_is_refus
 
 
 @pytest.mark.parametrize("framework", ["Trainer", "Lightning"])
-def test_a_framework_replica_is_one_plain_process_and_is_not_resumed_from_its_checkpoint(framework):
+def test_a_framework_replica_is_one_plain_process(framework):
     from adloco.integrations.replicas import check_replica_launch
 
     ft = {"fault_tolerance": {"lighthouse": "http://127.0.0.1:1", "replica": 0, "replicas": 2}}
     with pytest.raises(ValueError, match=f"the {framework} runs 2: start each replica as a plain process"):
-        check_replica_launch(ft, 2, False, framework)
-    with pytest.raises(ValueError, match="heals from its peers when it starts again; resuming"):
-        check_replica_launch(ft, 1, True, framework)
-    check_replica_launch({"fault_tolerance": None}, 2, True, framework)  # not a replica: torchrun and resume
+        check_replica_launch(ft, 2, framework)
+    check_replica_launch(ft, 1, framework)
+    check_replica_launch({"fault_tolerance": None}, 2, framework)  # not a replica: torchrun
 
 
 @needs_torchft
 def test_framework_replicas_killed_mid_round_heal_and_follow_the_jobs_step_and_schedule(tmp_path):
     """Three replicas of one job: replica 0 an HF Trainer that survives; replica 1 a Lightning fit and replica 2 a
-    Trainer, each SIGKILLed mid-round and started again. A restarted one heals from a peer, its framework's step and
-    learning-rate schedule move to the peers' step, it ends with them (max_steps) and on their θ, bit for bit."""
+    Trainer, each SIGKILLed mid-round and started again (the Trainer resumed from its last checkpoint). A
+    restarted one heals from a peer, its framework's step and learning-rate schedule move to the peers' step, it
+    ends with them (max_steps) and on their θ, bit for bit."""
     deadline = time.monotonic() + DEADLINE_S
     frameworks = {0: "hf", 1: "lightning", 2: "hf"}
     slow = ["--step-seconds", "0.15"]
     lighthouse, address = _lighthouse(min_replicas=1)
     try:
         survivor = _framework_replica(tmp_path, 0, frameworks[0], address, *slow)
-        doomed = [_framework_replica(tmp_path, r, frameworks[r], address, "--die-after", "6", *slow) for r in (1, 2)]
+        kept = {1: [], 2: ["--checkpoints"]}
+        doomed = [_framework_replica(tmp_path, r, frameworks[r], address, "--die-after", "6", *slow, *kept[r])
+                  for r in (1, 2)]  # fmt: skip
         assert _finish(doomed, deadline) == [-9, -9]
-        back = [_framework_replica(tmp_path, r, frameworks[r], address, *slow) for r in (1, 2)]
+        resume = {1: [], 2: ["--resume"]}  # the Trainer from its last checkpoint; the peers are further on
+        back = [_framework_replica(tmp_path, r, frameworks[r], address, *slow, *kept[r], *resume[r]) for r in (1, 2)]
         assert _finish([survivor, *back], deadline) == [0, 0, 0]
     finally:
         lighthouse.terminate()
@@ -108,6 +111,8 @@ def test_framework_replicas_killed_mid_round_heal_and_follow_the_jobs_step_and_s
         assert framework_step == diloco_step and diloco_step > 6 and diloco_step % sync_every == 0
         assert results[r]["history"][0]["healed"]
         assert _theta_same(torch.load(tmp_path / f"replica{r}.pt"), torch.load(tmp_path / "replica0.pt"))
+    # the Trainer resumed at its last checkpoint (a multiple of H before it died), then healed from the peers
+    assert 0 < results[2]["resumed_at"] < results[2]["start"][1] and results[2]["resumed_at"] % sync_every == 0
     assert results[2]["lr"] == results[0]["lr"]  # the Trainer's linear schedule, at max_steps on both
     assert results[1]["lr"] == pytest.approx(replica_run.LR * (1 - steps / (2 * steps)))  # Lightning's, at its end
 

@@ -11,7 +11,8 @@ turns it off.
 As a fault-tolerant replica (``fault_tolerance=...``), each replica is a Trainer of its own in a plain process (not
 torchrun), reading its own dataset. A replica that starts while the others train heals from one of them and takes
 their step: the callback moves the Trainer's ``global_step`` and learning-rate schedule forward to it, so
-``max_steps``, the schedule and the save steps follow the job's step.
+``max_steps``, the schedule and the save steps follow the job's step. One resumed from the Trainer's checkpoint
+starts from its own state there and heals only from peers further on.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from adloco.api import DiLoCo
 from adloco.integrations.ddp import keep_gradients_local
-from adloco.integrations.replicas import advance_schedules, check_replica_launch, steps_behind
+from adloco.integrations.replicas import advance_schedules, check_replica_launch, is_replica, steps_behind
 
 STATE_FILE = "adloco_diloco_rank{rank}.pt"  # in each of the Trainer's checkpoint folders, one per rank
 
@@ -46,28 +48,36 @@ class DiLoCoCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model=None, optimizer=None, **kwargs: Any) -> None:
         processes = self.trainer.accelerator.num_processes
-        check_replica_launch(self.settings, processes, state.global_step > 0, "Trainer")
+        check_replica_launch(self.settings, processes, "Trainer")
         keep_gradients_local(self.trainer.model_wrapped, processes)
         self.inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
         scaled = getattr(self.trainer.accelerator, "scaler", None) is not None
-        self.diloco = DiLoCo(model, self.inner, check_finite=not scaled, **self.settings)
-        if state.global_step > 0:  # a run resumed from the Trainer's checkpoint
-            self._restore(Path(args.output_dir) / f"checkpoint-{state.global_step}", model)
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        mine = self._saved(folder, model) if state.global_step > 0 else None  # resumed from the Trainer's checkpoint
+        replica = is_replica(self.settings)
+        start = mine["diloco"] if mine is not None and replica else None  # before a replica's first quorum
+        self.diloco = DiLoCo(model, self.inner, check_finite=not scaled, state=start, **self.settings)
+        if mine is not None and not replica:
+            model.load_state_dict(mine["model"])  # DiLoCo's start gave every rank θ: each takes its own model back
+            self.diloco.load_state_dict(mine["diloco"])
         self._follow_heal(state, control)
 
-    def _restore(self, folder: Path, model: torch.nn.Module) -> None:
-        assert self.diloco is not None and self.inner is not None
-        saved = folder / STATE_FILE.format(rank=self.diloco.rank)
+    def _saved(self, folder: Path, model: torch.nn.Module) -> dict[str, Any]:
+        """This rank's state beside the Trainer's checkpoint, its model and inner optimizer loaded from it (the
+        Trainer restored rank 0's on every rank; within a round each rank has its own)."""
+        assert self.inner is not None
+        ft = self.settings.get("fault_tolerance")
+        rank = ft["replica"] if ft is not None else (dist.get_rank() if dist.is_initialized() else 0)
+        saved = folder / STATE_FILE.format(rank=rank)
         if not saved.exists():
             raise FileNotFoundError(
                 f"resuming at step {folder.name.split('-')[-1]}, DiLoCo needs this rank's state in '{saved}' (written "
                 "beside every checkpoint of the Trainer's output_dir); resume from a checkpoint of that folder"
             )
         mine = torch.load(saved, weights_only=True)
-        # The Trainer restored rank 0's model and optimizer on every rank; within a round each rank has its own.
         model.load_state_dict(mine["model"])
         self.inner.load_state_dict(mine["optimizer"])
-        self.diloco.load_state_dict(mine["diloco"])
+        return mine
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         assert self.diloco is not None

@@ -25,7 +25,7 @@ import torch
 
 from adloco.api import DiLoCo
 from adloco.integrations.ddp import keep_gradients_local
-from adloco.integrations.replicas import advance_schedules, check_replica_launch, steps_behind
+from adloco.integrations.replicas import advance_schedules, check_replica_launch, is_replica, steps_behind
 
 try:
     import lightning.pytorch as pl
@@ -51,15 +51,19 @@ class DiLoCoCallback(pl.Callback):
                 f"resuming at step {trainer.global_step} from a checkpoint without DiLoCo's state (written by a fit "
                 "without DiLoCoCallback): every rank's own model, optimizer and DiLoCo state are needed"
             )
-        check_replica_launch(self.settings, trainer.world_size, trainer.global_step > 0, "Lightning Trainer")
+        check_replica_launch(self.settings, trainer.world_size, "Lightning Trainer")
         keep_gradients_local(trainer.strategy.model, trainer.world_size)
-        optimizer = trainer.optimizers[0]
-        self.diloco = DiLoCo(pl_module, optimizer, **self.settings).hook(before=False)
-        if self._resumed is not None:  # Lightning restored rank 0's model and optimizer on every rank
-            pl_module.load_state_dict(self._resumed["model"])
-            optimizer.load_state_dict(self._resumed["optimizer"])
-            self.diloco.load_state_dict(self._resumed["diloco"])
-            self._resumed = None
+        optimizer, mine = trainer.optimizers[0], self._resumed
+        if mine is not None:  # Lightning restored rank 0's model and optimizer on every rank
+            pl_module.load_state_dict(mine["model"])
+            optimizer.load_state_dict(mine["optimizer"])
+        replica = is_replica(self.settings)
+        start = mine["diloco"] if mine is not None and replica else None  # before a replica's first quorum
+        self.diloco = DiLoCo(pl_module, optimizer, state=start, **self.settings).hook(before=False)
+        if mine is not None and not replica:
+            pl_module.load_state_dict(mine["model"])  # DiLoCo's start gave every rank θ: each takes its own back
+            self.diloco.load_state_dict(mine["diloco"])
+        self._resumed = None
         _follow_heal(trainer, self.diloco)
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:

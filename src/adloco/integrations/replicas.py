@@ -1,6 +1,8 @@
 """What the framework integrations share for fault-tolerant replicas: each replica is one process of the framework
 (no torchrun), and a replica that heals from a peer takes the peers' inner step, which the framework counts itself:
-its step counter and its learning-rate schedule are moved forward to it."""
+its step counter and its learning-rate schedule are moved forward to it. A replica resumed from the framework's
+checkpoint gives its DiLoCo state to ``DiLoCo(state=...)``, before its first quorum: peers further on heal it, and
+replicas all resumed from checkpoints of one step go on from there."""
 
 from __future__ import annotations
 
@@ -11,20 +13,16 @@ from typing import Any
 import torch
 
 
-def check_replica_launch(settings: dict[str, Any], processes: int, resuming: bool, framework: str) -> None:
-    """Refuse what a fault-tolerant replica cannot be in ``framework``: one of several processes the framework
-    launched, or a run resumed from the framework's checkpoint (a replica heals from its peers instead)."""
-    if settings.get("fault_tolerance") is None:
-        return
-    if processes > 1:
+def is_replica(settings: dict[str, Any]) -> bool:
+    return settings.get("fault_tolerance") is not None
+
+
+def check_replica_launch(settings: dict[str, Any], processes: int, framework: str) -> None:
+    """Refuse what a fault-tolerant replica cannot be in ``framework``: one of several processes it launched."""
+    if is_replica(settings) and processes > 1:
         raise ValueError(
             f"fault_tolerance: each replica is one process of its own, but the {framework} runs {processes}: start "
             "each replica as a plain process (not under torchrun), with its own fault_tolerance.replica"
-        )
-    if resuming:
-        raise ValueError(
-            f"fault_tolerance: a replica heals from its peers when it starts again; resuming it from the {framework}'s "
-            "checkpoint is not supported (start it without resume_from_checkpoint / ckpt_path)"
         )
 
 

@@ -310,6 +310,26 @@ def test_auto_chooses_each_rounds_length_in_the_loop_and_keeps_it_in_its_state()
     assert restored.rounds.length == diloco.rounds.length and restored.rounds.count == diloco.rounds.count
 
 
+def test_auto_lengthens_rounds_as_the_inner_lr_falls_below_its_peak():
+    """The rule's drift scale H_d grows as the lr decays: read off the optimizer against the highest lr it had (a
+    warm-up rising to it reads as the peak), or as the loop gives it (rounds.lr_ratio); the peak is in the state."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    bounds = {"min": 2, "max": 64, "start": 2, "drift_steps": 100.0}
+    with DiLoCo(model, optimizer, sync_every="auto", sync_auto=bounds) as diloco:
+        drift = []
+        for lr, given in ((0.05, None), (0.1, None), (0.025, None), (0.025, 0.5)):  # warm-up, peak, decay, given
+            optimizer.param_groups[0]["lr"] = lr
+            diloco.rounds.lr_ratio = given
+            _train(model, optimizer, diloco, diloco.rounds.length, start=diloco.inner_step)
+            drift.append(diloco.rounds.last.drift_steps)
+    assert drift == [100.0, 100.0, 400.0, 200.0]
+    fresh = _model()
+    restored = DiLoCo(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), sync_every="auto", sync_auto=bounds)
+    restored.load_state_dict(diloco.state_dict())
+    assert restored.rounds.peak_lr == 0.1
+
+
 def test_a_state_saved_on_a_gpu_loads_into_a_model_on_the_cpu():
     """A heal or checkpoint from a peer whose model was on a GPU (cuda:1, say) lands in host memory for a model on
     the CPU, and whatever was saved in host memory stays there."""

@@ -265,7 +265,7 @@ class DiLoCo(LoopState):
         if self.batch is not None:
             self.batch.after_round(state, steps)
         self._across_trainers(state, steps)
-        self.rounds.end(state, self.trainers.values())
+        self.rounds.end(state, self.trainers.values(), float(self.optimizer.param_groups[0]["lr"]))
         if record.out:
             self.optimizer.state.clear()  # it restarts from θ (the strategy saw to that); its moments may hold NaN
         self.last_round = state

@@ -25,8 +25,10 @@ class LoopRounds:
         self.last: SyncDecision | None = None  # the last round's H decision (or figures, for a fixed H)
         self.started = time.perf_counter()
         self.exchange_seconds = math.nan  # the last round boundary's wall time: its exposed exchange
-        # the inner lr of the coming round over its peak, which a loop with a decaying lr sets: H grows as it falls
-        self.lr_ratio = 1.0
+        # the inner lr of the coming round over its peak: H grows as it falls. None: read off the optimizer's lr
+        # at each round's end against the highest it has had (a warm-up rising to its peak reads as 1)
+        self.lr_ratio: float | None = None
+        self.peak_lr = 0.0
 
     @property
     def length(self) -> int:
@@ -52,16 +54,21 @@ class LoopRounds:
         drift = sync.take_drift(trainer.trainer_id)
         trainer.dispersion = dispersion(drift.worker_sq, drift.mean_sq, state.weights)
 
-    def end(self, state: RoundState, trainers: Iterable[Trainer]) -> None:
-        """Once every trainer's reports and dispersion reached every rank: the next round's H."""
+    def end(self, state: RoundState, trainers: Iterable[Trainer], lr: float) -> None:
+        """Once every trainer's reports and dispersion reached every rank: the next round's H, at the inner
+        learning rate ``lr`` the loop's optimizer now has."""
         ranks = {w: w for w in state.reports}  # one worker per rank
-        self.last = next_sync_every(self.auto, self.length, state, ranks, trainers, self.lr_ratio)
+        self.peak_lr = max(self.peak_lr, lr)
+        ratio = self.lr_ratio if self.lr_ratio is not None else (lr / self.peak_lr if self.peak_lr > 0 else 1.0)
+        self.last = next_sync_every(self.auto, self.length, state, ranks, trainers, ratio)
         self.count += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rounds": self.count, "sync_every": None if self.auto is None else self.auto.state_dict()}
+        auto = None if self.auto is None else self.auto.state_dict()
+        return {"rounds": self.count, "sync_every": auto, "peak_lr": self.peak_lr}
 
     def load_state_dict(self, state: dict[str, Any], inner_step: int) -> None:
         self.count = int(state.get("rounds", inner_step // self.fixed))  # a state saved before H could change
+        self.peak_lr = float(state.get("peak_lr", 0.0))
         if self.auto is not None:
             self.auto.load_state_dict(state["sync_every"])

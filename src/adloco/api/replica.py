@@ -5,9 +5,10 @@ the replica asks torchft's Lighthouse for the round's quorum: the replicas there
 exchange over a process group the Manager reconfigures to them, without a restart. A replica that starts (new, or
 again after it died) is held at that call until the running replicas end their round, then heals from one of
 them: θ, the outer optimizer state and the round counters; its inner optimizer starts afresh. A replica that dies
-mid-round is missing from the round's exchange: the exchange fails on the others, who retry it at once among
-themselves (a quorum that may only shrink) and commit the round without it; its slot reads as absent (out). A
-replica whose θ turns out unlike its peers' at an exchange (two quorums trained apart) heals at the next round.
+mid-round is missing from the round's exchange: the exchange fails on the others, who drop that round (no outer
+step; it is not redone) and form the next round's quorum without it, where its slot reads as absent (out). A
+replica that committed less than its peers (an exchange that failed on it alone), or whose θ turns out unlike
+theirs at an exchange (two quorums trained apart), heals at the next round.
 """
 
 from __future__ import annotations

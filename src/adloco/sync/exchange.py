@@ -42,7 +42,7 @@ class Exchanged:
     mean: list[torch.Tensor]
     reports: dict[int, torch.Tensor]
     drift: Drift = field(default_factory=Drift)
-    dropped: bool = False  # every worker absent: a fault-tolerant exchange that failed on every try
+    dropped: bool = False  # every worker absent: a fault-tolerant exchange that failed
 
 
 def healthy_weight(reports: Mapping[int, torch.Tensor], weights: Mapping[int, float]) -> float:

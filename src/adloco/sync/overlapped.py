@@ -93,8 +93,8 @@ class OverlappedSync(DeltaStrategy):
             self._apply(trainer, arrived, fresh)
 
     def _arrived(self, trainer: Trainer, future: Future) -> list[torch.Tensor] | None:
-        """The mean Δ sent a round ago; None when that exchange was dropped (it failed on every try): no outer step
-        takes it, and an eager worker takes back the share it had applied of it."""
+        """The mean Δ sent a round ago; None when that exchange was dropped (a fault-tolerant one that failed): no
+        outer step takes it, and an eager worker takes back the share it had applied of it."""
         exchanged = self.comm.wait(future)
         return None if exchanged.dropped else self.applied(trainer, exchanged)
 

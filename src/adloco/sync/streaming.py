@@ -55,7 +55,7 @@ class StreamingSync(DeltaStrategy):
     @torch.no_grad()
     def _apply(self, trainer: Trainer, index: int, exchanged: Exchanged, alpha: float) -> None:
         """θ_p ← OuterOpt_p(θ_p, Δ_p); hosted workers' fragment ← α·local + (1 − α)·θ_p. A dropped exchange (a
-        fault-tolerant one that failed on every try) changes nothing: the fragment's drift goes into its next."""
+        fault-tolerant one that failed) changes nothing: the fragment's drift goes into its next."""
         if exchanged.dropped:
             return
         trainer.outer_step(index, self.applied(trainer, exchanged))

@@ -82,6 +82,7 @@ def main() -> None:
     adaptive = {"batch": ADAPTIVE, "total_samples": 16 * 3 * args.steps} if args.method == "adloco" else {}
     diloco = DiLoCo(net, optimizer, sync_every=H, method=args.method, outer=outer, fault_tolerance=ft, **adaptive)
     joined = time.monotonic() - started
+    (Path(args.out) / f"replica{replica}.started").touch()  # past its first quorum: training
     first_step = diloco.inner_step
     sizes = []  # AdLoCo: each round's b
     with diloco:

@@ -28,7 +28,6 @@ from rich.console import Console
 from adloco.algorithms.schedules import inner_lr
 from adloco.api import DiLoCo
 from adloco.checkpoint import latest_checkpoint, save_checkpoint
-from adloco.cluster import lr_ratio
 from adloco.config import ConfigError, TrainConfig
 from adloco.data.tokenization import SAVED_DIR, save_tokenizer
 from adloco.errors import CheckpointError, first_line
@@ -231,8 +230,6 @@ class _ReplicaLoop:
         lr = inner_lr(step, fraction, inner.lr, inner.min_lr, inner.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        # sync_every=auto weighs the next round's lr, as adloco train's does (read only at a round's end)
-        self.diloco.rounds.lr_ratio = lr_ratio(self.config, step + 1, self._tokens_left(step + 1))
         rounds = self.diloco.rounds.count
         self.optimizer.step()  # DiLoCo's hook: a round's end, its exchange, the next quorum (maybe a heal)
         if self.diloco.rounds.count != rounds:
@@ -242,12 +239,6 @@ class _ReplicaLoop:
         if console is not None and time.monotonic() - self.shown >= self.config.run.progress_every_s:
             self.shown = time.monotonic()
             console.print(self._progress(), markup=False, highlight=False, soft_wrap=True)
-
-    def _tokens_left(self, step: int) -> int:
-        """The budget's tokens not yet trained at inner step ``step`` (AdLoCo: after the samples done so far)."""
-        batch = self.diloco.batch
-        done = step * self.per_step if batch is None else batch.samples_done * self.task.context
-        return max(0, self.config.total_tokens - done)
 
     def _evaluate_if_due(self) -> None:
         """θ of the round that just ended on ``eval.blocks`` validation blocks, every ``eval.every`` rounds (as

@@ -53,18 +53,20 @@ class DiLoCoCallback(TrainerCallback):
         self.inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
         scaled = getattr(self.trainer.accelerator, "scaler", None) is not None
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        mine = self._saved(folder, model) if state.global_step > 0 else None  # resumed from the Trainer's checkpoint
+        mine = self._saved(folder) if state.global_step > 0 else None  # resumed from the Trainer's checkpoint
         replica = is_replica(self.settings)
-        start = mine["diloco"] if mine is not None and replica else None  # before a replica's first quorum
+        if mine is not None and replica:  # its own state before its first quorum, where peers further on heal it
+            model.load_state_dict(mine["model"])
+        start = mine["diloco"] if mine is not None and replica else None
         self.diloco = DiLoCo(model, self.inner, check_finite=not scaled, state=start, **self.settings)
         if mine is not None and not replica:
             model.load_state_dict(mine["model"])  # DiLoCo's start gave every rank θ: each takes its own model back
             self.diloco.load_state_dict(mine["diloco"])
         self._follow_heal(state, control)
 
-    def _saved(self, folder: Path, model: torch.nn.Module) -> dict[str, Any]:
-        """This rank's state beside the Trainer's checkpoint, its model and inner optimizer loaded from it (the
-        Trainer restored rank 0's on every rank; within a round each rank has its own)."""
+    def _saved(self, folder: Path) -> dict[str, Any]:
+        """This rank's state beside the Trainer's checkpoint, its inner optimizer loaded from it (the Trainer
+        restored rank 0's on every rank; within a round each rank has its own)."""
         assert self.inner is not None
         ft = self.settings.get("fault_tolerance")
         rank = ft["replica"] if ft is not None else (dist.get_rank() if dist.is_initialized() else 0)
@@ -75,7 +77,6 @@ class DiLoCoCallback(TrainerCallback):
                 "beside every checkpoint of the Trainer's output_dir); resume from a checkpoint of that folder"
             )
         mine = torch.load(saved, weights_only=True)
-        model.load_state_dict(mine["model"])
         self.inner.load_state_dict(mine["optimizer"])
         return mine
 

@@ -54,11 +54,12 @@ class DiLoCoCallback(pl.Callback):
         check_replica_launch(self.settings, trainer.world_size, "Lightning Trainer")
         keep_gradients_local(trainer.strategy.model, trainer.world_size)
         optimizer, mine = trainer.optimizers[0], self._resumed
-        if mine is not None:  # Lightning restored rank 0's model and optimizer on every rank
-            pl_module.load_state_dict(mine["model"])
-            optimizer.load_state_dict(mine["optimizer"])
         replica = is_replica(self.settings)
-        start = mine["diloco"] if mine is not None and replica else None  # before a replica's first quorum
+        if mine is not None:  # Lightning restored rank 0's model and optimizer on every rank
+            optimizer.load_state_dict(mine["optimizer"])
+            if replica:  # its own state before its first quorum, where peers further on heal it
+                pl_module.load_state_dict(mine["model"])
+        start = mine["diloco"] if mine is not None and replica else None
         self.diloco = DiLoCo(pl_module, optimizer, state=start, **self.settings).hook(before=False)
         if mine is not None and not replica:
             pl_module.load_state_dict(mine["model"])  # DiLoCo's start gave every rank θ: each takes its own back

@@ -170,13 +170,19 @@ def test_a_replica_whose_checkpoint_is_another_models_stops_with_one_line(tmp_pa
 
 
 @needs_torchft
-def test_replicas_of_adloco_train_with_sync_every_auto_choose_one_h_that_a_replica_started_again_takes(tmp_path):
+@pytest.mark.parametrize("method", [[], ["method=streaming", "streaming.fragments=2", "streaming.overlap=1",
+                                          "sync_auto.min=4"]],
+                         ids=["diloco", "streaming"])  # fmt: skip
+def test_replicas_of_adloco_train_with_sync_every_auto_choose_one_h_that_a_replica_started_again_takes(
+    tmp_path, method
+):
     """sync_every=auto: H moves from its start on the measured step and exchange times, every replica the same in
     every round (each decides from the round's reports), and the one killed and started again heals with the
-    job's H."""
+    job's H. Streaming: the joiner heals with fragment 0's exchange in flight, which its death dropped; it
+    applies it as its peer does (not at all), so their θ never part, and their decisions' figures agree."""
     root, deadline = tmp_path / "runs", time.monotonic() + DEADLINE_S
     tokens = 16384  # 256 steps of 2 workers' 2 samples of 16 tokens
-    auto = ["sync_every=auto", "sync_auto.start=4", "sync_auto.min=2", "sync_auto.max=64"]
+    auto = ["sync_every=auto", "sync_auto.start=4", "sync_auto.min=2", "sync_auto.max=64", *method]
     lighthouse, address = _lighthouse(min_replicas=2)  # replica 0 waits for 1 to come back: no split job
     try:
         procs = [_replica(root, address, r, 2, tokens, *auto) for r in (0, 1)]
@@ -192,9 +198,13 @@ def test_replicas_of_adloco_train_with_sync_every_auto_choose_one_h_that_a_repli
         lighthouse.wait(timeout=30)
     h = [{x["round"]: x["sync_every"] for x in _rounds(root, r)} for r in (0, 1)]
     assert {**h[1], **h[0]}[1] == 4 and len(set(h[0].values())) > 1  # H moved from its start
-    assert all(2 <= n <= 64 for n in h[0].values())  # within sync_auto's bounds
+    low, multiple = (4, 2) if method else (2, 1)  # streaming: H a multiple of its 2 fragments
+    assert all(low <= n <= 64 and n % multiple == 0 for n in h[0].values())  # within sync_auto's bounds
     shared = set(h[0]) & set(h[1])
     assert len(shared) > len(first_life) and all(h[0][n] == h[1][n] for n in shared)
+    decided = [{x["round"]: x["sync"] for x in _rounds(root, r) if x["committed"]} for r in (0, 1)]
+    assert all(decided[0][n] == decided[1][n] for n in set(decided[0]) & set(decided[1]))  # dispersion too
+    assert not any(x["diverged"] for r in (0, 1) for x in _rounds(root, r))
     second_life = _rounds(root, 1)[len(first_life) :]
     assert second_life[0]["healed"] and second_life[0]["round"] > first_life[-1]["round"]
     assert same_params(final_params(root / "job" / "replica0"), final_params(root / "job" / "replica1"))

@@ -309,11 +309,6 @@ class TrainConfig(BaseModel):
                 "fault_tolerance: replicas run DiLoCo (outer.overlap too), LocalSGD, streaming or AdLoCo of one "
                 f"trainer for now (method={self.method}, trainers={self.trainers})"
             )
-        if self.sync_every == "auto" and (self.method == "streaming" or self.outer.overlap != "none"):
-            raise ValueError(
-                "fault_tolerance: sync_every=auto with streaming or outer.overlap is not for replicas yet (a replica "
-                "that joins heals without the drift of the exchanges in flight, and could choose another H)"
-            )
 
     def _check_elastic(self) -> None:
         if not self.elastic:

@@ -64,7 +64,6 @@ def test_slots_carry_each_present_row_bit_for_bit_and_mark_the_absent():
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "fault_tolerance.min_replicas=3"], "larger"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "method=ddp"], "streaming or AdLoCo"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "trainers=2"], "one trainer"),
-        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "method=streaming", "sync_every=auto"], "H\\)"),
     ],
 )
 def test_bad_fault_tolerance_settings_are_one_line_errors(overrides, fragment):

@@ -271,7 +271,7 @@ class DiLoCo(LoopState):
         self.last_round = state
         self._state = self._new_round()
         if self.replica is not None:
-            self.replica.end_round()
+            self.replica.end_round(None if self.rounds.last is None else self.rounds.last.to_dict())
             if not self._finishing:
                 self._join_round()
 

@@ -41,6 +41,7 @@ class RoundFaults:
     diverged: bool = False  # its θ was unlike its peers' at the round's exchange: it heals at the next round
     quorum_seconds: float = 0.0
     sync_every: int = 0  # H of the round (sync_every=auto: the job's choice, the same on every replica)
+    sync: dict[str, Any] | None = None  # the next round's H and why (``SyncDecision.to_dict``), as decided here
     started: float = 0.0  # wall-clock time (time.time()) the round's quorum formed
 
 
@@ -115,12 +116,13 @@ class Replica:
             log.warning("replica %d joined at round %d and healed from a peer", self.comm.rank, index + 1)
         return self.healed
 
-    def end_round(self) -> None:
-        """Note the round's exchange: the replicas absent from it, and whether it committed. A line is logged when
-        the replicas taking part change, not every round."""
+    def end_round(self, sync: dict[str, Any] | None = None) -> None:
+        """Note the round's exchange: the replicas absent from it, whether it committed, and the H decided after
+        it (``sync``). A line is logged when the replicas taking part change, not every round."""
         if not self.history:
             return
         record = self.history[-1]
+        record.sync = sync
         record.absent = sorted(self.comm.absent)
         record.committed = self.comm.committed
         record.diverged = self.comm.diverged

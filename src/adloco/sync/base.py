@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -124,8 +125,24 @@ class DeltaStrategy(SyncStrategy):
         self.exchange.load_worker_state(worker_id, state.get("error_feedback"))
 
 
-def completed(mean: list[torch.Tensor]) -> torch.futures.Future:
-    """An exchange that is already done (restored from a checkpoint, which keeps its mean but not its drift)."""
+def pending_item(due: int, exchanged: Exchanged) -> dict[str, Any]:
+    """An exchange in flight as a state keeps it: the step it is applied at, its mean, and what a replica that
+    heals from this state must apply alike: whether it was dropped, and the workers' drift in it (which
+    ``sync_every=auto`` reads at the round's end)."""
+    drift = {"worker_sq": dict(exchanged.drift.worker_sq), "mean_sq": exchanged.drift.mean_sq}
+    return {"due": due, "delta": exchanged.mean, "drift": drift, "dropped": exchanged.dropped}
+
+
+def completed(item: dict[str, Any]) -> torch.futures.Future:
+    """An exchange that is already done, from its ``pending_item`` (a state saved before the drift and the drop
+    were kept: none, and applied)."""
+    drift = item.get("drift") or {}
+    exchanged = Exchanged(
+        mean=list(item["delta"]),
+        reports={},
+        drift=Drift({int(w): float(sq) for w, sq in drift.get("worker_sq", {}).items()}, drift.get("mean_sq", 0.0)),
+        dropped=bool(item.get("dropped", False)),
+    )
     future: torch.futures.Future = torch.futures.Future()
-    future.set_result(Exchanged(mean=mean, reports={}))
+    future.set_result(exchanged)
     return future

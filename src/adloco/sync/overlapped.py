@@ -19,7 +19,7 @@ from torch.futures import Future
 
 from adloco.algorithms.outer import OuterFactory, OuterOptimizer, eager_pseudo_gradient, worker_delta
 from adloco.config import OuterConfig
-from adloco.sync.base import DeltaStrategy, completed
+from adloco.sync.base import DeltaStrategy, completed, pending_item
 from adloco.sync.exchange import weighted
 from adloco.sync.rounds import RoundState
 from adloco.trainer import Trainer
@@ -155,7 +155,7 @@ class OverlappedSync(DeltaStrategy):
             self.workers[worker_id].load_params(copy.theta)
 
     def state_dict(self) -> dict:
-        return {f"{k}/0": {"due": 0, "delta": future.wait().mean} for k, future in self.pending.items()}
+        return {f"{k}/0": pending_item(0, future.wait()) for k, future in self.pending.items()}
 
     def load_state_dict(self, pending: dict) -> None:
-        self.pending = {int(key.split("/")[0]): completed(list(item["delta"])) for key, item in pending.items()}
+        self.pending = {int(key.split("/")[0]): completed(item) for key, item in pending.items()}

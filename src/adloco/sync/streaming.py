@@ -18,7 +18,7 @@ from torch.futures import Future
 from adloco.algorithms.fragments import mix
 from adloco.algorithms.schedules import fragments_sending_at
 from adloco.config import StreamingConfig
-from adloco.sync.base import DeltaStrategy, completed
+from adloco.sync.base import DeltaStrategy, completed, pending_item
 from adloco.sync.exchange import Exchanged
 from adloco.sync.rounds import RoundState
 from adloco.trainer import Trainer
@@ -81,10 +81,10 @@ class StreamingSync(DeltaStrategy):
             self._apply(self.trainers[key[0]], key[1], self.comm.wait(future), alpha)
 
     def state_dict(self) -> dict:
-        return {f"{k}/{p}": {"due": due, "delta": future.wait().mean} for (k, p), (due, future) in self.pending.items()}
+        return {f"{k}/{p}": pending_item(due, future.wait()) for (k, p), (due, future) in self.pending.items()}
 
     def load_state_dict(self, pending: dict) -> None:
         self.pending = {}
         for key, item in pending.items():
             trainer_id, fragment = (int(x) for x in key.split("/"))
-            self.pending[(trainer_id, fragment)] = (int(item["due"]), completed(list(item["delta"])))
+            self.pending[(trainer_id, fragment)] = (int(item["due"]), completed(item))

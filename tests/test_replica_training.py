@@ -51,12 +51,17 @@ def _rounds(root: Path, replica: int) -> list[dict]:
 @needs_torchft
 @pytest.mark.parametrize(
     ("method", "rounds"),
-    [([], 8), (["method=adloco", "batch.size=1", "batch.b_cap=64", "sync_every=2", *PINNED_PACE], 9)],
-    ids=["diloco", "adloco"],
+    [
+        ([], 8),
+        (["method=adloco", "batch.size=1", "batch.b_cap=64", "sync_every=2", *PINNED_PACE], 9),
+        (["method=adloco", "batch.size=1", "batch.b_cap=64", "sync_every=2", *PINNED_PACE, "trainers=2"], 9),
+    ],
+    ids=["diloco", "adloco", "trainers"],
 )
 def test_without_a_fault_replicas_of_adloco_train_end_on_the_bits_of_the_plain_run(tmp_path, method, rounds):
     """DiLoCo: 2048 tokens, 8 rounds of 4 steps; AdLoCo: b grows 1, 2, 4, 8 over 9 rounds of 2 steps and the
-    budget cuts the last one short."""
+    budget cuts the last one short; with 2 trainers of one replica each, they merge at round 2 as the plain run's
+    do (each replica steps both trainers itself)."""
     root, deadline = tmp_path / "runs", time.monotonic() + DEADLINE_S
     lighthouse, address = _lighthouse(min_replicas=2)
     try:
@@ -64,13 +69,15 @@ def test_without_a_fault_replicas_of_adloco_train_end_on_the_bits_of_the_plain_r
     finally:
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
-    plain = adloco_process("train", *FAST, *method, "batched_workers=false", "total_tokens=2048",
+    workers = ["workers=1"] if "trainers=2" in method else []  # 2 trainers of 1 worker each, merged at round 2
+    plain = adloco_process("train", *FAST, *method, *workers, "batched_workers=false", "total_tokens=2048",
                            f"run.root={tmp_path / 'plain'}", "run.name=p")  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-2000:]
     expected = final_params(tmp_path / "plain" / "p")
     # the plain run evaluates every 2nd round and its last; the replicas every 2nd (the final record, the last)
-    plain_val = {x["round"]: x["val_loss"] for x in read_metrics(tmp_path / "plain" / "p" / "metrics.jsonl")
-                 if x["kind"] == "round" and x["val_loss"] is not None}  # fmt: skip
+    plain_records = read_metrics(tmp_path / "plain" / "p" / "metrics.jsonl")
+    plain_val = {x["round"]: x["val_loss"] for x in plain_records if x["kind"] == "round" and x["val_loss"] is not None}
+    plain_merges = [x for x in plain_records if x["kind"] == "merge"]
     evaluated = list(range(2, rounds + 1, 2))
     for r in (0, 1):
         assert same_params(final_params(root / "job" / f"replica{r}"), expected)
@@ -79,6 +86,9 @@ def test_without_a_fault_replicas_of_adloco_train_end_on_the_bits_of_the_plain_r
         assert all(x["participants"] == 2 and x["committed"] and not x["absent"] for x in records)
         val = {x["round"]: x["val_loss"] for x in records if x["val_loss"] is not None}
         assert list(val) == evaluated and val == {n: plain_val[n] for n in evaluated}  # θ's, to the bit
+        merges = [x for x in read_metrics(root / "job" / f"replica{r}" / "metrics.jsonl") if x["kind"] == "merge"]
+        assert [m["round"] for m in merges] == ([2] if "trainers=2" in method else [])
+        assert [m["weights"] for m in merges] == [m["weights"] for m in plain_merges]
 
 
 @needs_torchft

@@ -304,11 +304,16 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"fault_tolerance.min_replicas ({ft.min_replicas}) is larger than replicas ({ft.replicas})"
             )
-        if self.method == "ddp" or self.trainers != 1:
-            raise ValueError(
-                "fault_tolerance: replicas run DiLoCo (outer.overlap too), LocalSGD, streaming or AdLoCo of one "
-                f"trainer for now (method={self.method}, trainers={self.trainers})"
-            )
+        if self.method == "ddp":
+            raise ValueError("fault_tolerance: replicas run DiLoCo (outer.overlap too), LocalSGD, streaming or AdLoCo")
+        several = self.trainers is not None and self.trainers > 1
+        if several and (self.method == "streaming" or self.outer.overlap != "none"):
+            raise ValueError("fault_tolerance: several trainers as replicas run DiLoCo, LocalSGD or AdLoCo "
+                             f"without outer.overlap for now (method={self.method}, outer.overlap="
+                             f"{self.outer.overlap})")  # fmt: skip
+        if several and ft.replicas % self.trainers:
+            raise ValueError(f"fault_tolerance.replicas: {ft.replicas} replicas do not split into {self.trainers} "
+                             "trainers of as many workers")  # fmt: skip
 
     def _check_elastic(self) -> None:
         if not self.elastic:

@@ -97,7 +97,7 @@ def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, console) 
     saved = _own_checkpoint(run_dir / CHECKPOINTS, model, optimizer)
     try:
         diloco = DiLoCo(model, optimizer, config.sync_every, config.method, **_sections(config, task),
-                        state=None if saved is None else saved["diloco"])  # fmt: skip
+                        trainers=config.trainers, state=None if saved is None else saved["diloco"])  # fmt: skip
     except ValueError as error:
         if saved is None:
             raise
@@ -158,7 +158,7 @@ def _inner_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.
 
 def _sections(config: TrainConfig, task: Task) -> dict[str, Any]:
     """DiLoCo's settings from the run's config sections (AdLoCo: its batch and the budget in samples)."""
-    names = ("outer", "codec", "sync_auto", "fault_tolerance")
+    names = ("outer", "codec", "sync_auto", "fault_tolerance", "merge")
     sections = {name: getattr(config, name).model_dump() for name in names}
     if config.method == "streaming":
         sections["streaming"] = config.streaming.model_dump()
@@ -176,12 +176,13 @@ class _ReplicaLoop:
         self.stream, self.diloco, self.metrics, self.checkpoints = stream, diloco, metrics, checkpoints
         self.device = next(self.model.parameters()).device
         self.eval_model = task.build_model(config.seed).to(self.device)  # θ is evaluated apart from the worker
-        self.val: dict[int, float] = {}  # rounds (counted from 1) evaluated, not yet in a record
+        self.val: dict[int, dict[int, float]] = {}  # rounds (from 1) evaluated, by trainer, not yet in a record
         self.b = config.batch.size
         self.per_step = config.fault_tolerance.replicas * self.b * task.context  # tokens per step, all present
         self.total_steps = math.ceil(config.total_tokens / self.per_step)
         self.read = 0  # samples this worker's stream has handed out
         self.written = 0  # rounds of diloco.replica.history in metrics.jsonl
+        self.merges_written = 0  # of diloco.merges (several trainers)
         self.losses: list[float] = []
         self.tokens = 0
         self.shown = self.saved_at = time.monotonic()
@@ -241,13 +242,15 @@ class _ReplicaLoop:
             console.print(self._progress(), markup=False, highlight=False, soft_wrap=True)
 
     def _evaluate_if_due(self) -> None:
-        """θ of the round that just ended on ``eval.blocks`` validation blocks, every ``eval.every`` rounds (as
-        adloco train's periodic evaluation)."""
-        count, replica = self.diloco.rounds.count, self.diloco.replica
+        """Each trainer's θ after the round that just ended on ``eval.blocks`` validation blocks, every
+        ``eval.every`` rounds (as adloco train's periodic evaluation)."""
+        count, replica, blocks = self.diloco.rounds.count, self.diloco.replica, self.config.eval.blocks
         assert replica is not None
         if count % self.config.eval.every == 0 and not replica.healed:  # healed: the peers' round, not in a record
-            theta = [t.detach() for t in self.diloco.theta]
-            self.val[count] = self.task.evaluate(self.eval_model, theta, self.config.eval.blocks).loss
+            self.val[count] = {
+                k: self.task.evaluate(self.eval_model, [t.detach() for t in trainer.theta], blocks).loss
+                for k, trainer in self.diloco.trainers.items()
+            }
 
     def _checkpoint_if_due(self) -> None:
         """This replica's state at a round's end (its next quorum formed), every ``checkpoint.every`` rounds or
@@ -289,11 +292,14 @@ class _ReplicaLoop:
             )
             loss = sum(self.losses) / len(self.losses) if self.losses else None
             fields = {**asdict(record), "round": record.round + 1}
-            val = self.val.pop(record.round + 1, None)
-            fields["val_loss"] = None if val is None else {0: val}  # by trainer, as adloco train's records
+            fields["val_loss"] = self.val.pop(record.round + 1, None)  # by trainer, as adloco train's records
             self.metrics.write("round", **fields, step=self.diloco.inner_step, tokens=self.tokens, train_loss=loss,
                                replica=replica.comm.rank, **age)  # fmt: skip
             self.losses = []
+            merges = self.diloco.merges[self.merges_written :]
+            for event in (m for m in merges if m.round == record.round + 1):  # after its round, as adloco train's
+                self.metrics.write("merge", **event.to_dict())
+                self.merges_written += 1
         self.metrics.flush()
         self.written = done
 

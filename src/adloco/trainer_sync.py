@@ -40,10 +40,13 @@ def synchronize(comm: Communicator, trainers: Mapping[int, Trainer], state: Roun
     rank of its first worker).
 
     Only needed when some rank hosts none of a trainer's workers (several trainers on several ranks):
-    merges, evaluation, checkpoints and the token count then agree everywhere.
+    merges, evaluation, checkpoints and the token count then agree everywhere. Not where every rank steps every
+    trainer itself (fault-tolerant replicas: a lead rank may be gone).
     """
-    if comm.world_size == 1 or all(
-        set(comm.ranks_of(t.worker_ids)) == set(range(comm.world_size)) for t in trainers.values()
+    if (
+        comm.world_size == 1
+        or getattr(comm, "holds_every_trainer", False)
+        or all(set(comm.ranks_of(t.worker_ids)) == set(range(comm.world_size)) for t in trainers.values())
     ):
         return
     for trainer in trainers.values():

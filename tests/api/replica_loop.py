@@ -1,14 +1,14 @@
 """A plain PyTorch loop with ``adloco.DiLoCo`` as one fault-tolerant replica (or, ``--plain``, one torchrun rank).
 
-``python replica_loop.py OUT --replica I --replicas N --lighthouse ADDR [--steps S] [--die-after N]
-[--step-seconds T] [--min-replicas M] [--device cpu|cuda] [--backend auto|gloo|nccl] [--method diloco|streaming]
-[--overlap none|delayed|eager] [--plain]`` (``--method adloco``: its adaptive batch, on pinned costs). Worker I's
-samples at inner step s are drawn from a generator seeded by (I, s) on the CPU, so a replica that joins mid-run
-reads exactly the samples of the steps it takes (from ``diloco.inner_step``, which it healed from a peer), and none
-of the steps before, on any device. ``--die-after N`` kills the process (SIGKILL, no clean-up) after it took N
-steps, mid-round when N is not a multiple of H (``--hang-after N`` stops it there instead, SIGSTOP);
-``--step-seconds`` adds that much time to each step, as a larger model's compute would. At the end it writes θ
-(``OUT/replica<I>.pt``) and what each round was (``OUT/replica<I>.json``).
+``python replica_loop.py OUT --replica I --replicas N --lighthouse ADDR [--steps S] [--die-after N] [--step-seconds
+T] [--min-replicas M] [--device cpu|cuda] [--backend auto|gloo|nccl] [--method diloco|streaming] [--overlap
+none|delayed|eager] [--trainers T] [--plain]`` (``--method adloco``: its adaptive batch, on pinned costs). Worker I's
+samples at inner step s are drawn from a generator seeded by (I, s) on the CPU, so a replica that joins mid-run reads
+exactly the samples of the steps it takes (from ``diloco.inner_step``, which it healed from a peer), and none of the
+steps before, on any device. ``--die-after N`` kills the process (SIGKILL, no clean-up) after it took N steps, mid-
+round when N is not a multiple of H (``--hang-after N`` stops it there instead, SIGSTOP); ``--step-seconds`` adds
+that much time to each step, as a larger model's compute would. At the end it writes θ (``OUT/replica<I>.pt``) and
+what each round was (``OUT/replica<I>.json``).
 """
 
 import argparse
@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--backend", default="auto", help="the replicas' exchange: auto, gloo or nccl")
     parser.add_argument("--method", default="diloco", help="diloco, streaming (2 fragments, tau 1) or adloco")
     parser.add_argument("--overlap", default="none", help="outer.overlap: none, delayed or eager")
+    parser.add_argument("--trainers", type=int, default=1, help="trainers (AdLoCo: merged every 2 rounds)")
     parser.add_argument("--plain", action="store_true", help="a torchrun rank over the default group instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -80,7 +81,8 @@ def main() -> None:
     started = time.monotonic()
     outer = {"overlap": args.overlap} if args.overlap != "none" else None
     adaptive = {"batch": ADAPTIVE, "total_samples": 16 * 3 * args.steps} if args.method == "adloco" else {}
-    diloco = DiLoCo(net, optimizer, sync_every=H, method=args.method, outer=outer, fault_tolerance=ft, **adaptive)
+    diloco = DiLoCo(net, optimizer, sync_every=H, method=args.method, outer=outer, fault_tolerance=ft,
+                    trainers=args.trainers, **adaptive)  # fmt: skip
     joined = time.monotonic() - started
     (Path(args.out) / f"replica{replica}.started").touch()  # past its first quorum: training
     first_step = diloco.inner_step
@@ -110,7 +112,8 @@ def main() -> None:
     torch.save([p.detach().cpu() for p in net.parameters()], out / f"replica{replica}.pt")
     history = [vars(r) for r in diloco.replica.history] if diloco.replica is not None else []
     result = {"first_step": first_step, "steps": diloco.inner_step, "rounds": diloco.rounds.count,
-              "joined_seconds": joined, "history": history, "loss": held_out_loss(net), "sizes": sizes}  # fmt: skip
+              "joined_seconds": joined, "history": history, "loss": held_out_loss(net), "sizes": sizes,
+              "merges": [m.to_dict() for m in diloco.merges], "trainers": sorted(diloco.trainers)}  # fmt: skip
     (out / f"replica{replica}.json").write_text(json.dumps(result))
     if args.plain:
         torch.distributed.destroy_process_group()

@@ -29,6 +29,7 @@ _METHOD_FLAGS = {
     "streaming": ["--method", "streaming"],  # 2 fragments, τ = 1
     "eager": ["--overlap", "eager"],  # outer.overlap: Δ in flight for a round, each worker's own share at once
     "adloco": ["--method", "adloco"],  # the adaptive batch, its time-aware controller on pinned costs
+    "trainers": ["--method", "adloco", "--trainers", "3"],  # a trainer per replica, 2 merging every 2 rounds
 }
 DEVICE = ["--device", os.environ.get("ADLOCO_TEST_DEVICE", "cpu"), "--backend", "gloo"]
 
@@ -63,7 +64,8 @@ def test_slots_carry_each_present_row_bit_for_bit_and_mark_the_absent():
         (["fault_tolerance.replica=3", "fault_tolerance.replicas=3"], "is not below replicas"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "fault_tolerance.min_replicas=3"], "larger"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "method=ddp"], "streaming or AdLoCo"),
-        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "trainers=2"], "one trainer"),
+        (["fault_tolerance.replica=0", "fault_tolerance.replicas=3", "trainers=2"], "do not split into 2 trainers"),
+        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "trainers=2", "method=streaming"], "for now"),
     ],
 )
 def test_bad_fault_tolerance_settings_are_one_line_errors(overrides, fragment):
@@ -74,8 +76,8 @@ def test_bad_fault_tolerance_settings_are_one_line_errors(overrides, fragment):
 def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
     ft = {"lighthouse": "http://127.0.0.1:1", "replica": 0, "replicas": 2}
     model = torch.nn.Linear(2, 1)
-    with pytest.raises(ValueError, match="one trainer for now"):
-        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=ft, trainers=2)
+    with pytest.raises(ValueError, match="without outer.overlap for now"):
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=ft, trainers=2, method="streaming")
     replica = [
         "fault_tolerance.lighthouse=http://127.0.0.1:1",
         "fault_tolerance.replica=0",
@@ -152,8 +154,11 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @needs_torchft
-@pytest.mark.parametrize("method", ["streaming", "adloco"])  # DiLoCo's: adloco train's replicas (test_replica_training)
+@pytest.mark.parametrize("method", ["streaming", "adloco", "trainers"])  # DiLoCo's: test_replica_training's
 def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path, method):
+    """Each replica ends on its torchrun rank's θ, bit for bit. Several trainers: a replica steps every trainer
+    itself from the exchange's rows, where a torchrun rank takes the others' θ from their lead ranks; after the
+    merge at round 2, replicas 0 and 1 share a trainer and replica 2 keeps its own."""
     plain, ft = tmp_path / "plain", tmp_path / "ft"
     plain.mkdir(), ft.mkdir()
     deadline = time.monotonic() + DEADLINE_S
@@ -171,18 +176,24 @@ def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path,
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
     for r in range(3):
-        assert _same(_theta(ft, r), _theta(plain, 0))
-        history = json.loads((ft / f"replica{r}.json").read_text())["history"]
+        assert _same(_theta(ft, r), _theta(plain, r))
+        result = json.loads((ft / f"replica{r}.json").read_text())
+        assert result["merges"] == json.loads((plain / f"replica{r}.json").read_text())["merges"]
+        history = result["history"]
         assert [h["participants"] for h in history] == [3] * 3 and all(h["committed"] for h in history)
         assert not any(h["diverged"] for h in history)  # every θ digest alike at every exchange
+    alike = all(_same(_theta(plain, r), _theta(plain, 0)) for r in range(3))
+    assert alike == (method != "trainers")  # replica 2's trainer not yet merged into the others'
 
 
 @needs_torchft
-@pytest.mark.parametrize("method", ["streaming", "eager", "adloco"])  # plain DiLoCo's: the frameworks' replica test
+@pytest.mark.parametrize("method", ["streaming", "eager", "adloco", "trainers"])  # DiLoCo's: the frameworks' test
 def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_peer(tmp_path, method):
     """Streaming: the replica dies between its round's two fragment exchanges (steps 2 and 4 of each round) and
     rejoins at a round's start with fragment 0's exchange of the round before still to apply (τ = 1). AdLoCo: the
-    batch grows while it is away, and it heals with the batch its peers reached."""
+    batch grows while it is away, and it heals with the batch its peers reached. Several trainers (one per
+    replica): replica 2's trainer, none of whose workers is there, takes no outer step and merges on schedule with
+    the θ it has; the replica started again heals into the merged trainer."""
     deadline = time.monotonic() + DEADLINE_S
     steps = ["--steps", "120", "--min-replicas", "2", "--step-seconds", "0.1", *_METHOD_FLAGS[method]]
     lighthouse, address = _lighthouse(min_replicas=2)
@@ -211,7 +222,11 @@ def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_p
     assert first["healed"] and first["round"] == rejoined["first_step"] // 4 and rejoined["joined_seconds"] < 30
     # from there on it trained with them: all three end on the same θ
     assert _same(_theta(tmp_path, 2), _theta(tmp_path, 0)) and _same(_theta(tmp_path, 1), _theta(tmp_path, 0))
-    if method == "adloco":  # each round's b, alike on every replica from the round the rejoined one came back at
+    if method == "trainers":  # trainer 2 merged into the others' in a round none of its workers was in
+        merge = next(m for m in results[0]["merges"] if 2 in m["merged"])
+        assert merge["round"] - 1 in {h["round"] for h in results[0]["history"] if h["absent"] == [2]}
+        assert all(r["trainers"] == [0] for r in results)  # one trainer left, replica 2's worker in it
+    if method in ("adloco", "trainers"):  # each round's b, alike on every replica from the one it came back at
         sizes = [r["sizes"] for r in results]
         assert sizes[2] == sizes[0][-len(sizes[2]) :] == sizes[1][-len(sizes[2]) :]
         assert sizes[2][0] > sizes[0][0]  # b had grown while it was away

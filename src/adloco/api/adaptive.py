@@ -183,19 +183,25 @@ class AdaptiveBatch:
         record.step_seconds = self.compute_seconds / max(steps, 1)
         record.overhead_seconds = max(0.0, time.perf_counter() - self._round_started - self.compute_seconds)
 
-    def after_round(self, state: RoundState, steps: int) -> None:
+    def after_round(self, state: RoundState, steps: int, every_trainer: bool = False) -> None:
         """The round's end (its trainer's reports in): this worker's trainer decides its next batch, alike on every
-        rank of the trainer."""
-        trainer = self.trainer
-        reports = {w: state.reports[w] for w in trainer.worker_ids}
+        rank of the trainer; ``every_trainer``: every trainer does, here (every rank holds every trainer's reports,
+        as fault-tolerant replicas do)."""
+        trainers = list(self.trainers.values()) if every_trainer else [self.trainer]
+        reports = {w: state.reports[w] for t in trainers for w in t.worker_ids}
         if self.costs is None and self.config.controller == "time":
-            self.costs = _measured_costs(self.config, reports, dict.fromkeys(reports, self.plan.samples))
-        present = [r for r in reports.values() if not r.absent]  # a replica missing from the round measured nothing
-        if state.statistics_due and present:  # the budget left after this round as planned (read: from the next)
-            planned = self.samples_done + steps * self.job_samples
-            left = None if self.total_samples is None else self.total_samples - planned
-            pace = pace_for(self.config, self.costs, trainer.worker_ids, self.sync_every, left, 1, self.total_workers)
-            self.policy.decide_from_reports(present, pace)
+            samples = {w: self.plans[t.trainer_id].samples for t in trainers for w in t.worker_ids}
+            self.costs = _measured_costs(self.config, reports, samples)
+        if not state.statistics_due:
+            return
+        planned = self.samples_done + steps * self.job_samples  # the budget left after this round as planned
+        left = None if self.total_samples is None else self.total_samples - planned
+        for trainer in trainers:
+            present = [reports[w] for w in trainer.worker_ids if not reports[w].absent]  # an absent one measured none
+            if present:
+                pace = pace_for(self.config, self.costs, trainer.worker_ids, self.sync_every, left, 1,
+                                self.total_workers)  # fmt: skip
+                trainer.batch.decide_from_reports(present, pace)
 
     def account(self, state: RoundState, steps: int) -> None:
         """After every trainer's reports reached every rank: the samples the round read (the budget) and the

@@ -147,7 +147,7 @@ class DiLoCo(LoopState):
             self.config = _replica_settings(method, sync_every, sections, trainers, process_group, self.shards)
             self.replica = Replica(self.config.fault_tolerance, self._shared_state, self._heal,
                                    lambda: self.rounds.count, device)  # fmt: skip
-            self.replica.comm.theta_digest = lambda: bits_digest(self.trainer.theta)  # a split job shows in it
+            self.replica.comm.theta_digest = self._theta_digest  # a split job shows in it
             self.comm: Communicator = self.replica.comm
         else:
             self.comm = _communicator(process_group, device)
@@ -157,6 +157,10 @@ class DiLoCo(LoopState):
             raise ValueError("several trainers take a job of one rank per worker over the default process group")
         if self.replica is None:
             self.config = loop_settings(method, sync_every, self.world_size, sections, trainers)
+
+    def _theta_digest(self) -> int:
+        """Every trainer's θ as one number, the same on every replica of a healthy job (each holds them all)."""
+        return bits_digest([tensor for trainer in self.trainers.values() for tensor in trainer.theta])
 
     def _start_trainers(self, names: list[str], outer_optimizer: OuterFactory | None, adaptive: bool) -> None:
         """The job's trainers, each from its first worker's parameters and with its exchange group, and the sync
@@ -263,7 +267,7 @@ class DiLoCo(LoopState):
         self.rounds.stamp(record, steps)
         self.rounds.exchange(self.sync, state, self.trainer)
         if self.batch is not None:
-            self.batch.after_round(state, steps)
+            self.batch.after_round(state, steps, every_trainer=self.replica is not None)
         self._across_trainers(state, steps)
         self.rounds.end(state, self.trainers.values(), float(self.optimizer.param_groups[0]["lr"]))
         if record.out:
@@ -401,11 +405,13 @@ def _replica_settings(
     """The settings of a fault-tolerant replica: one worker per process, the job's size from the section."""
     if process_group is not None or shards is not None:
         raise ValueError("a fault-tolerant replica is one process of one worker: no process_group, no sharded model")
-    if trainers != 1:
-        raise ValueError("fault-tolerant replicas run one trainer for now (no trainers=): a merge with a trainer's "
-                         "replicas missing is not defined yet")  # fmt: skip
+    overlap = (sections["outer"] or {}).get("overlap", "none")
+    if trainers > 1 and (method not in ("diloco", "localsgd", "adloco") or overlap != "none"):
+        raise ValueError("several trainers as fault-tolerant replicas: DiLoCo, LocalSGD or AdLoCo without "
+                         "outer.overlap for now")  # fmt: skip
     replicas = sections["fault_tolerance"].get("replicas")
-    return loop_settings(method, sync_every, replicas if isinstance(replicas, int) and replicas > 0 else 1, sections)
+    world = replicas if isinstance(replicas, int) and replicas > 0 else 1
+    return loop_settings(method, sync_every, world, sections, trainers)
 
 
 def _global_rank() -> int:

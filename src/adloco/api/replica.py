@@ -123,7 +123,7 @@ class Replica:
             return
         record = self.history[-1]
         record.sync = sync
-        record.absent = sorted(self.comm.absent)
+        record.absent = sorted(self.comm.missing)
         record.committed = self.comm.committed
         record.diverged = self.comm.diverged
         if record.diverged:

@@ -46,6 +46,7 @@ class Gathered:
     total: list[torch.Tensor] | None
     reports: dict[int, torch.Tensor]
     absent: frozenset[int] = frozenset()
+    report_width: int = 0  # floats in each worker's report (where this rank sent none to learn it from)
 
     def reports_with_absent(self, absent_row: torch.Tensor) -> dict[int, torch.Tensor]:
         """Every worker's report, ``absent_row`` standing in for each absent worker's (which sent none)."""
@@ -117,7 +118,8 @@ class ExchangeMixin:
             reports_by_worker = {
                 w: unpack_report(row[-1]) for w, row in zip(ordered, rows, strict=True) if w not in absent
             }
-            return Gathered(rows=[row[:-1] for row in rows], total=None, reports=reports_by_worker, absent=absent)
+            width = rows[0][-1].numel() * rows[0][-1].element_size() // 8 if rows else 0  # an absent row's too
+            return Gathered([row[:-1] for row in rows], None, reports_by_worker, absent, width)
 
         return self.gather_over_workers(packed, ordered).then(unpack)
 
@@ -132,7 +134,7 @@ class ExchangeMixin:
         def add_up(done: Future) -> Gathered:
             gathered = done.wait()
             assert gathered.rows is not None
-            return Gathered(None, sum_in_order(gathered.rows), gathered.reports, gathered.absent)
+            return Gathered(None, sum_in_order(gathered.rows), gathered.reports, gathered.absent, gathered.report_width)
 
         return self.gather_with_reports(contributions, reports, workers).then(add_up)
 

@@ -8,6 +8,12 @@ ranks are. A slot whose presence byte stayed 0 is a worker absent from the round
 committed only when every replica of the quorum finished the exchange (``Manager.should_commit``); a failed one
 reads as every worker absent, so no outer step is taken from it anywhere.
 
+With several trainers every replica takes every trainer's outer steps itself, from the rows: a trainer's exchange
+travels in the exchange of the same place in the round of each replica's own trainer (the trainers share H,
+fragments and codec, so each replica makes the same exchanges in the same order), whose slots hold every worker's
+row, whichever trainer it belongs to. A replica's own trainer exchanges first; the others' then read the slots of
+the exchange at their place, with no collective of their own (``holds_every_trainer``).
+
 Each slot also carries a digest of the sender's θ (``theta_digest``), which is the same on every replica of a
 healthy job. A replica whose θ differs from that of the lowest present worker (the job split: two quorums trained
 apart, as a restarted Lighthouse can form them) marks itself ``diverged``; it then heals from a peer at the next
@@ -46,6 +52,12 @@ def _zeros_like(row: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.zeros(t.shape, dtype=t.dtype) for t in row]
 
 
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
 def unpack_slots(buffer: torch.Tensor, like: Sequence[torch.Tensor]) -> list[list[torch.Tensor] | None]:
     """Each slot's row as CPU tensors shaped and typed as ``like``; None for a slot nobody wrote."""
     rows: list[list[torch.Tensor] | None] = []
@@ -68,24 +80,33 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
 
     ``start_round`` asks the Lighthouse for the round's quorum (a joining replica heals there, in the Manager's
     ``load_state_dict`` callback); ``gather_over_workers`` is the round's exchange and commit. ``absent`` holds
-    the workers missing from the last exchange (all of them when its commit failed).
+    the workers missing from the last exchange (all of them when its commit failed), ``missing`` those of every
+    trainer.
     """
 
     shards, shard = 1, 0  # a replica is one process
+    holds_every_trainer = True  # every trainer's state is on every replica: none is mirrored from a lead rank
 
     def __init__(self, manager: Any, replica: int, replicas: int, device: torch.device | None = None) -> None:
         self.manager = manager
         self.device = device or torch.device("cpu")  # where the exchange's buffers live: the GPU for NCCL
         self.rank, self.world_size = replica, replicas
         self.stats = CommStats()
-        self.absent: frozenset[int] = frozenset()
+        self.absent: frozenset[int] = frozenset()  # of the workers the last exchange was asked for
+        self.missing: frozenset[int] = frozenset()  # every worker missing from the last collective (all trainers')
         self.committed = False  # whether the last exchange committed
         self.theta_digest: Callable[[], int] | None = None  # the θ this replica holds, as a number (bits_digest)
         self.diverged = False  # an exchange of this round found this θ unlike the lowest present worker's
+        # this round's exchanges of this replica's own trainer (every slot, as received; None: failed), and how
+        # many of them each other trainer (by its workers) has read
+        self._exchanged: list[list[list[torch.Tensor] | None] | None] = []
+        self._read: dict[tuple[int, ...], int] = {}
+        self._like: list[torch.Tensor] = []  # the rows' tensors (every trainer's alike)
 
     def start_round(self) -> None:
         """The round's quorum: blocks until the Lighthouse forms it (at most the quorum timeout)."""
         self.diverged = False
+        self._exchanged, self._read = [], {}
         self.manager.start_quorum()
 
     @property
@@ -115,7 +136,10 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
     def gather_over_workers(
         self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
     ) -> Future[list[list[torch.Tensor]]]:
-        """Every present worker's row in worker-id order (zeros for an absent one), and the round committed."""
+        """Every present worker's row in worker-id order (zeros for an absent one), and the round committed. Another
+        trainer's workers (``contributions`` empty) read the slots of this replica's own exchange at their place."""
+        if not contributions:
+            return self._read_slots(workers)
         if set(contributions) != {self.rank}:
             raise RuntimeError(f"replica {self.rank} hosts worker {self.rank} alone, not {sorted(contributions)}")
         own = list(contributions[self.rank])
@@ -123,17 +147,34 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         start = time.perf_counter()
         buffer = self._committed_exchange([*own, digest])
         self.stats.wait_seconds += time.perf_counter() - start
-        self.committed = buffer is not None
-        slots = unpack_slots(buffer, [*own, digest]) if buffer is not None else [None] * self.world_size
-        self._check_digests([slot[-1] for slot in slots if slot is not None], digest)
-        rows = [slot[:-1] if slot is not None else None for slot in slots]
-        self.absent = frozenset(w for w in workers if rows[w] is None)
-        present = [rows[w] if rows[w] is not None else _zeros_like(own) for w in sorted(workers)]
+        slots = unpack_slots(buffer, [*own, digest]) if buffer is not None else None
+        if slots is not None:
+            self._check_digests([slot[-1] for slot in slots if slot is not None], digest)
+        self._exchanged.append(None if slots is None else [slot[:-1] if slot is not None else None for slot in slots])
+        self._like = own
+        self.missing = frozenset(w for w, slot in enumerate(slots or [None] * self.world_size) if slot is None)
+        present = self._rows_of(self._exchanged[-1], workers)
         self.stats.bytes_sent += contributed_bytes([own] * (len(workers) - len(self.absent)), workers)
         self.stats.exchanges += 1
-        future: Future[list[list[torch.Tensor]]] = Future()
-        future.set_result(present)
-        return future
+        return _done(present)
+
+    def _read_slots(self, workers: Sequence[int]) -> Future[list[list[torch.Tensor]]]:
+        """Another trainer's exchange: the slots of this replica's own exchange at the same place in the round."""
+        key = tuple(sorted(workers))
+        place = self._read.get(key, 0)
+        if place >= len(self._exchanged):
+            raise RuntimeError(f"replica {self.rank}: the trainer of workers {list(key)} exchanged before this "
+                               "replica's own trainer, or more often")  # fmt: skip
+        self._read[key] = place + 1
+        return _done(self._rows_of(self._exchanged[place], workers))
+
+    def _rows_of(self, slots: list[list[torch.Tensor] | None] | None, workers: Sequence[int]) -> list:
+        """``workers``' rows from an exchange's slots (None: it failed), zeros for the absent; notes who was absent
+        and whether it committed."""
+        self.committed = slots is not None
+        rows = slots if slots is not None else [None] * self.world_size
+        self.absent = frozenset(w for w in workers if rows[w] is None)
+        return [rows[w] if rows[w] is not None else _zeros_like(self._like) for w in sorted(workers)]
 
     def _check_digests(self, present: list[torch.Tensor], own: torch.Tensor) -> None:
         """Whether this replica's θ is unlike the lowest present worker's (theirs are in worker-id order)."""

@@ -30,7 +30,11 @@ class SyncStrategy:
         return [w for w in trainer.worker_ids if w in self.workers]
 
     def taking_part(self) -> list[Trainer]:
-        """Trainers with a worker on this rank; the others' state arrives with the cluster's synchronize."""
+        """Trainers with a worker on this rank; the others' state arrives with the cluster's synchronize. Where
+        every rank holds every trainer (fault-tolerant replicas), every trainer, this rank's own first: the others
+        read the rows of its exchanges."""
+        if getattr(self.comm, "holds_every_trainer", False):
+            return sorted(self.trainers.values(), key=lambda t: not self.hosted(t))  # stable: then by id
         return [t for t in self.trainers.values() if self.hosted(t)]
 
     def after_backward(self, state: RoundState, step: int) -> set[int]:
@@ -108,7 +112,7 @@ class DeltaStrategy(SyncStrategy):
         """A round boundary whose Δ is not waited for now still has to tell every rank who did what."""
         local = state.local_tensors(self.hosted(trainer))
         gathered = self.comm.wait(self.comm.gather_with_reports({w: [] for w in local}, local, trainer.worker_ids))
-        width = next(iter(local.values())).numel() if local else 0
+        width = next(iter(local.values())).numel() if local else gathered.report_width
         state.learn(gathered.reports_with_absent(absent_report(width)))
 
     def mark_skipped(self, state: RoundState, trainer: Trainer) -> bool:

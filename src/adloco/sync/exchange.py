@@ -71,6 +71,7 @@ def _exchanged(
     A worker absent from the exchange reads as out (``width``: the rows' length, report and ‖Δ_i‖²). The mean
     goes to θ's ``device``: a transport may hand rows back in host memory (gloo, or any exchange's rows)."""
     mean = [t.to(device) for t in mean]
+    width = width or gathered.report_width  # this rank sent no row (another trainer's exchange on a replica)
     rows = dict(gathered.reports)
     if reported:  # an absent worker's row: its report, then ‖Δ_i‖² = 0
         rows = gathered.reports_with_absent(torch.cat([absent_report(width - 1), torch.zeros(1, dtype=torch.float64)]))
@@ -169,7 +170,7 @@ class DeltaExchange:
             return self.comm.sum_with_reports(local, rows, trainer.worker_ids).then(averaged)
         key = f"{trainer.trainer_id}/{index}"
         payloads = {w: self._encode(key, w, delta, w in out) for w, delta in local.items()}
-        like = next(iter(local.values()))
+        like = [trainer.theta[i] for i in fragment]  # Δ's shapes, where this rank sent none
         numel = sum(t.numel() for t in like)
 
         def decode(done: Future) -> Exchanged:

@@ -183,7 +183,7 @@ class _ReplicaLoop:
         self.read = 0  # samples this worker's stream has handed out
         self.written = 0  # rounds of diloco.replica.history in metrics.jsonl
         self.merges_written = 0  # of diloco.merges (several trainers)
-        self.losses: list[float] = []
+        self.losses: list[float | torch.Tensor] = []  # a step's loss stays on its device until its round's record
         self.tokens = 0
         self.shown = self.saved_at = time.monotonic()
 
@@ -222,7 +222,7 @@ class _ReplicaLoop:
         if self.diloco.batch is None:
             loss = self.task.loss(self.model, *data)
             loss.backward()
-            self.losses.append(loss.item())
+            self.losses.append(loss.detach())  # no wait for the GPU every step
         else:  # in micro-batches of b_max; on a statistics step in groups, for the batch test
             self.losses.append(self.diloco.batch.backward(lambda *xs: self.task.loss(self.model, *xs), *data))
         inner = self.config.inner
@@ -290,7 +290,7 @@ class _ReplicaLoop:
             self.tokens = (
                 self.diloco.inner_step * self.per_step if batch is None else batch.samples_done * self.task.context
             )
-            loss = sum(self.losses) / len(self.losses) if self.losses else None
+            loss = sum(float(x) for x in self.losses) / len(self.losses) if self.losses else None
             fields = {**asdict(record), "round": record.round + 1}
             fields["val_loss"] = self.val.pop(record.round + 1, None)  # by trainer, as adloco train's records
             self.metrics.write("round", **fields, step=self.diloco.inner_step, tokens=self.tokens, train_loss=loss,

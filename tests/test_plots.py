@@ -128,3 +128,17 @@ def test_a_torn_last_line_is_a_write_cut_short_not_damage(tmp_path):
     with open(tmp_path / "run" / "metrics.jsonl", "a") as handle:
         handle.write('{"kind": "ro')  # no line break: the process died mid-write
     assert [p.name for p in plot_run(tmp_path / "run")] == ["loss.png", "batch.png"]
+
+
+def test_records_without_bytes_or_by_trainer_losses_still_plot(tmp_path):
+    """A fault-tolerant replica's records from before they carried bytes and losses by trainer: the loss plot
+    draws what they have instead of stopping with a traceback."""
+    _write(tmp_path / "old", merges=True, memory=False)
+    lines = [json.loads(line) for line in (tmp_path / "old" / "metrics.jsonl").read_text().splitlines()]
+    for record in lines:
+        record.pop("bytes_total", None)
+        if record["kind"] == "round":
+            record["train_loss"] = 4.0
+    (tmp_path / "old" / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    paths = plot_run(tmp_path / "old")
+    assert [p.name for p in paths] == ["loss.png", "batch.png"] and all(p.read_bytes()[:8] == PNG for p in paths)

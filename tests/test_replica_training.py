@@ -14,6 +14,7 @@ import torch
 
 from adloco.checkpoint import save_checkpoint
 from adloco.config_input import layered
+from adloco.plots import plot_run
 from adloco.records import read_metrics
 from tests.api.test_replica import _finish, _lighthouse, needs_torchft
 from tests.comm.test_distributed import _env
@@ -123,6 +124,11 @@ def test_a_replica_of_adloco_train_killed_mid_run_is_left_out_and_started_again_
     ends = [[x for x in read_metrics(root / "job" / f"replica{r}" / "metrics.jsonl") if x["kind"] == "final"][-1]
             for r in range(3)]  # fmt: skip
     assert ends[0]["samples_read"] == ends[1]["samples_read"] == ends[2]["samples_read"] > 0
+    # the bytes it records go on across its lives, and adloco plot draws its run (records by trainer)
+    totals = [x["bytes_total"] for x in records]
+    assert totals == sorted(totals) and totals[len(first_life)] > totals[len(first_life) - 1] > 0
+    assert sum(x["bytes"] for x in records) == totals[-1] <= ends[2]["bytes_total"]
+    assert {p.name for p in plot_run(root / "job" / "replica2")} == {"loss.png", "batch.png"}
 
 
 @needs_torchft

@@ -3,6 +3,7 @@ factor per trainer; memory."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,11 @@ def _series(records: list[dict], key: str) -> dict[str, list[tuple[float, float,
     out: dict[str, list[tuple[float, float, float, float]]] = {}
     for record in records:
         values = record.get(key)
-        if record["kind"] != "round" or not values:
+        if record["kind"] != "round" or not isinstance(values, dict):  # by trainer (an old replica's: one float)
             continue
         for trainer, value in values.items():
             if isinstance(value, int | float):  # non-finite values are stored as strings
-                out.setdefault(trainer, []).append((record["tokens"], record["round"], record["bytes_total"], value))
+                out.setdefault(trainer, []).append((record["tokens"], record["round"], _bytes(record), value))
     return out
 
 
@@ -36,8 +37,15 @@ def _merge_points(records: list[dict]) -> list[tuple[tuple[float, float, float],
         if record is None:
             continue
         others = ",".join(str(t) for t in merge.get("merged", []) if t != merge.get("into"))
-        out.append(((record["tokens"], merge["round"], record["bytes_total"]), f"{others}→{merge.get('into')}"))
+        out.append(((record["tokens"], merge["round"], _bytes(record)), f"{others}→{merge.get('into')}"))
     return out
+
+
+def _bytes(record: dict) -> float:
+    """The bytes sent up to a round; NaN (not drawn) where a record has none (a replica's from before they were
+    recorded)."""
+    value = record.get("bytes_total")
+    return float(value) if isinstance(value, int | float) else math.nan
 
 
 def _memory_series(records: list[dict]) -> dict[tuple[int, str], list[tuple[float, float]]]:

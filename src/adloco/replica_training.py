@@ -31,7 +31,7 @@ from adloco.checkpoint import latest_checkpoint, save_checkpoint
 from adloco.config import ConfigError, TrainConfig
 from adloco.data.tokenization import SAVED_DIR, save_tokenizer
 from adloco.errors import CheckpointError, first_line
-from adloco.metrics import MetricsWriter
+from adloco.metrics import MetricsWriter, read_metrics
 from adloco.placement import resolve_device
 from adloco.precision import adamw_kernel
 from adloco.run_dir import write_run_config
@@ -144,7 +144,10 @@ def _train_with(loop: _ReplicaLoop, config, tokenizer_info: dict, run_dir: Path,
     seconds = time.perf_counter() - started
     summary = {"val_loss": final.loss, "perplexity": math.exp(final.loss), "accuracy": final.accuracy,
                "tokens": loop.tokens, "rounds": diloco.rounds.count, "seconds": seconds}  # fmt: skip
-    metrics.write("final", replica=ft.replica, steps=diloco.inner_step, samples_read=loop.read, **summary)
+    own = diloco.trainer.trainer_id  # by trainer, as adloco train's final record (this replica's θ is its own's)
+    sent = loop.bytes_before + diloco.comm.stats.bytes_sent
+    metrics.write("final", **{**summary, "val_loss": {own: final.loss}}, best_trainer=own, replica=ft.replica,
+                  steps=diloco.inner_step, samples_read=loop.read, bytes_total=sent)  # fmt: skip
     if config.run.save_final:
         export_final(model, theta, run_dir, tokenizer_info)
     return summary
@@ -185,6 +188,9 @@ class _ReplicaLoop:
         self.merges_written = 0  # of diloco.merges (several trainers)
         self.losses: list[float | torch.Tensor] = []  # a step's loss stays on its device until its round's record
         self.tokens = 0
+        # the bytes this replica sent, over its lives: on from its metrics' last round record
+        self.bytes_before = _last_bytes_total(metrics.path)
+        self.bytes_recorded = 0  # of diloco.comm.stats.bytes_sent, in the records written
         self.shown = self.saved_at = time.monotonic()
 
     def run(self, console: Console | None) -> None:
@@ -291,10 +297,11 @@ class _ReplicaLoop:
                 self.diloco.inner_step * self.per_step if batch is None else batch.samples_done * self.task.context
             )
             loss = sum(float(x) for x in self.losses) / len(self.losses) if self.losses else None
-            fields = {**asdict(record), "round": record.round + 1}
+            fields = {**asdict(record), "round": record.round + 1, **self._bytes()}
             fields["val_loss"] = self.val.pop(record.round + 1, None)  # by trainer, as adloco train's records
-            self.metrics.write("round", **fields, step=self.diloco.inner_step, tokens=self.tokens, train_loss=loss,
-                               replica=replica.comm.rank, **age)  # fmt: skip
+            train_loss = None if loss is None else {self.diloco.trainer.trainer_id: loss}
+            self.metrics.write("round", **fields, step=self.diloco.inner_step, tokens=self.tokens,
+                               train_loss=train_loss, replica=replica.comm.rank, **age)  # fmt: skip
             self.losses = []
             merges = self.diloco.merges[self.merges_written :]
             for event in (m for m in merges if m.round == record.round + 1):  # after its round, as adloco train's
@@ -303,6 +310,14 @@ class _ReplicaLoop:
         self.metrics.flush()
         self.written = done
 
+    def _bytes(self) -> dict[str, int]:
+        """The bytes of the exchanges since the last record (``bytes``) and over this replica's lives
+        (``bytes_total``), counted as a plain run counts them: every present worker's row once (what a network of
+        one worker per machine carries); rounds this replica missed are not in them."""
+        sent = self.diloco.comm.stats.bytes_sent
+        recorded, self.bytes_recorded = sent - self.bytes_recorded, sent
+        return {"bytes": recorded, "bytes_total": self.bytes_before + sent}
+
     def _progress(self) -> str:
         replica = self.diloco.replica
         assert replica is not None
@@ -310,6 +325,16 @@ class _ReplicaLoop:
         return (f"adloco: replica {replica.comm.rank}: step {self.diloco.inner_step}/{self.total_steps}, round "
                 f"{self.diloco.rounds.count} (H={self.diloco.rounds.length}), {last.participants} replicas in the "
                 "last round")  # fmt: skip
+
+
+def _last_bytes_total(path: Path) -> int:
+    """The ``bytes_total`` of the last round record in a replica's metrics (0 for none): a replica started again
+    counts on from it."""
+    if not path.exists():
+        return 0
+    rounds = [r for r in read_metrics(path) if r.get("kind") == "round"]
+    value = rounds[-1].get("bytes_total") if rounds else None
+    return value if isinstance(value, int) else 0
 
 
 def process_age() -> float | None:

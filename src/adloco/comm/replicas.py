@@ -166,7 +166,9 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
             raise RuntimeError(f"replica {self.rank}: the trainer of workers {list(key)} exchanged before this "
                                "replica's own trainer, or more often")  # fmt: skip
         self._read[key] = place + 1
-        return _done(self._rows_of(self._exchanged[place], workers))
+        rows = self._rows_of(self._exchanged[place], workers)
+        self.stats.bytes_sent += contributed_bytes([self._like] * (len(workers) - len(self.absent)), workers)
+        return _done(rows)
 
     def _rows_of(self, slots: list[list[torch.Tensor] | None] | None, workers: Sequence[int]) -> list:
         """``workers``' rows from an exchange's slots (None: it failed), zeros for the absent; notes who was absent

@@ -182,18 +182,23 @@ def test_a_replica_whose_checkpoint_is_another_models_stops_with_one_line(tmp_pa
 
 
 @needs_torchft
-@pytest.mark.parametrize("method", [[], ["method=streaming", "streaming.fragments=2", "streaming.overlap=1",
-                                          "sync_auto.min=4"]],
-                         ids=["diloco", "streaming"])  # fmt: skip
+# DiLoCo's rounds: the streaming case's, with fragments; AdLoCo chooses b and H together (on pinned costs)
+@pytest.mark.parametrize("method", [["method=adloco", "batch.size=1", "batch.b_cap=8", *PINNED_PACE,
+                                     "sync_auto.max=16"],
+                                    ["method=streaming", "streaming.fragments=2", "streaming.overlap=1",
+                                     "sync_auto.min=4"]],
+                         ids=["adloco", "streaming"])  # fmt: skip
 def test_replicas_of_adloco_train_with_sync_every_auto_choose_one_h_that_a_replica_started_again_takes(
     tmp_path, method
 ):
     """sync_every=auto: H moves from its start on the measured step and exchange times, every replica the same in
     every round (each decides from the round's reports), and the one killed and started again heals with the
     job's H. Streaming: the joiner heals with fragment 0's exchange in flight, which its death dropped; it
-    applies it as its peer does (not at all), so their θ never part, and their decisions' figures agree."""
+    applies it as its peer does (not at all), so their θ never part, and their decisions' figures agree. AdLoCo:
+    b and H chosen together on every replica alike (each candidate b weighed at the H the rule would choose)."""
     root, deadline = tmp_path / "runs", time.monotonic() + DEADLINE_S
-    tokens = 16384  # 256 steps of 2 workers' 2 samples of 16 tokens
+    # 256 steps of 2 workers' 2 samples of 16 tokens; AdLoCo's b grows to 8: about 16 rounds of H = 16 at the end
+    tokens = 65536 if "method=adloco" in method else 16384
     auto = ["sync_every=auto", "sync_auto.start=4", "sync_auto.min=2", "sync_auto.max=64", *method]
     lighthouse, address = _lighthouse(min_replicas=2)  # replica 0 waits for 1 to come back: no split job
     try:
@@ -210,7 +215,7 @@ def test_replicas_of_adloco_train_with_sync_every_auto_choose_one_h_that_a_repli
         lighthouse.wait(timeout=30)
     h = [{x["round"]: x["sync_every"] for x in _rounds(root, r)} for r in (0, 1)]
     assert {**h[1], **h[0]}[1] == 4 and len(set(h[0].values())) > 1  # H moved from its start
-    low, multiple = (4, 2) if method else (2, 1)  # streaming: H a multiple of its 2 fragments
+    low, multiple = (4, 2) if "method=streaming" in method else (2, 1)  # streaming: a multiple of its fragments
     assert all(low <= n <= 64 and n % multiple == 0 for n in h[0].values())  # within sync_auto's bounds
     shared = set(h[0]) & set(h[1])
     assert len(shared) > len(first_life) and all(h[0][n] == h[1][n] for n in shared)

@@ -53,9 +53,6 @@ def check_replica_run(config: TrainConfig, resume: Path | None, torchrun: bool) 
                           "peers when they are further on; start it with the same command")  # fmt: skip
     if config.shards != 1 or config.elastic:
         raise ConfigError("fault_tolerance: adloco train's replicas take shards=1 and elastic=false for now")
-    if config.method == "adloco" and config.sync_every == "auto":
-        raise ConfigError("fault_tolerance: AdLoCo's replicas take a fixed sync_every for now (its controller "
-                          "chooses b and H together within one job only)")  # fmt: skip
 
 
 def replica_run_dir(config: TrainConfig) -> Path:
@@ -211,11 +208,12 @@ class _ReplicaLoop:
         while batch.samples_done * context < total:
             self._catch_up()  # a heal (at the start, or at this round's quorum) moves the stream
             tokens_before, per_step = batch.samples_done * context, batch.job_samples * context
-            steps = min(self.diloco.rounds.length, math.ceil((total - tokens_before) / per_step))
+            length = self.diloco.rounds.length  # this round's H (sync_every=auto: the next one's is chosen at its end)
+            steps = min(length, math.ceil((total - tokens_before) / per_step))
             for round_step in range(steps):
                 fraction = (tokens_before + round_step * per_step) / total
                 self._step(batch.samples, self.diloco.inner_step, fraction, console)
-            if steps < self.diloco.rounds.length:
+            if steps < length:
                 break  # finish() ends this shorter round
 
     def _step(self, samples: int, step: int, fraction: float, console: Console | None) -> None:

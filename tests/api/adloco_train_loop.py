@@ -52,6 +52,8 @@ def main(out: str, args: list[str]) -> None:
         sections["batch"] = config.batch.model_dump()
     if config.trainers > 1:
         sections["merge"] = config.merge.model_dump()
+    if config.sync_every == "auto":
+        sections["sync_auto"] = config.sync_auto.model_dump()
     diloco = DiLoCo(
         model, optimizer, config.sync_every, config.method, codec=config.codec.model_dump(), process_group=group,
         total_samples=config.total_tokens // task.context, trainers=config.trainers, **sections,
@@ -101,7 +103,8 @@ def _adaptive_rounds(config, task, model, optimizer, stream, diloco, world: int)
     with diloco:
         while batch.samples_done * task.context < config.total_tokens:
             tokens_before, per_step = batch.samples_done * task.context, batch.job_samples * task.context
-            steps = min(config.sync_every, math.ceil((config.total_tokens - tokens_before) / per_step))
+            length = diloco.rounds.length  # H of this round (sync_every=auto: chosen with b at the last one's end)
+            steps = min(length, math.ceil((config.total_tokens - tokens_before) / per_step))
             for round_step in range(steps):
                 inputs, targets = stream.next_batch(batch.samples)
                 optimizer.zero_grad(set_to_none=True)
@@ -114,7 +117,7 @@ def _adaptive_rounds(config, task, model, optimizer, stream, diloco, world: int)
                     group["lr"] = lr
                 optimizer.step()
                 step += 1
-            if steps < config.sync_every:
+            if steps < length:
                 break  # the budget cut this round short: its steps cover what was left
     diloco.finish(into_model=False)  # a last round the budget cut short ends here, as adloco train's does
     if config.trainers > 1:

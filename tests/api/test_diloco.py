@@ -60,8 +60,31 @@ def _loop(tmp_path: Path, out: Path, settings: list[str], *flags: str, script: P
         ),
         # two trainers of one worker each, their own batch tests (b 3 and 15), merged after round 2 (weights by b)
         (MERGES, [], None),
+        # b and H chosen together: each candidate b weighed at the H the rule would choose (pinned costs)
+        (
+            [
+                "method=adloco",
+                "sync_every=auto",
+                "sync_auto.start=2",
+                "sync_auto.min=2",
+                "sync_auto.max=16",
+                "batch.size=1",
+                "batch.b_cap=64",
+                *PINNED_PACE,
+                "total_tokens=2000",
+            ],
+            [],
+            None,
+        ),  # fmt: skip
     ],
-    ids=["diloco-own-group", "streaming-fp4-ef-resumed-mid-round", "ddp", "adloco-time-controller", "adloco-merges"],
+    ids=[
+        "diloco-own-group",
+        "streaming-fp4-ef-resumed-mid-round",
+        "ddp",
+        "adloco-time-controller",
+        "adloco-merges",
+        "adloco-auto",
+    ],  # fmt: skip
 )
 def test_a_plain_loop_with_diloco_ends_on_the_bits_of_adloco_train(tmp_path, method, flags, stop_after):
     """Two torchrun ranks; the loop reads the samples adloco train's workers read (the first case over a process

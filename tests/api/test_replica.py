@@ -82,8 +82,8 @@ def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
         "fault_tolerance.replica=0",
         "fault_tolerance.replicas=2",
     ]
-    cli = adloco_process("train", *replica, "method=adloco", "sync_every=auto", cwd=tmp_path)
-    assert cli.returncode == 2 and "take a fixed sync_every for now" in cli.stderr.splitlines()[-1]
+    cli = adloco_process("train", *replica, "shards=2", cwd=tmp_path)
+    assert cli.returncode == 2 and "take shards=1 and elastic=false for now" in cli.stderr.splitlines()[-1]
     assert "Traceback" not in cli.stderr
     bad = adloco_process("lighthouse", "--port", "70000", cwd=tmp_path)
     assert bad.returncode == 2 and "not a port number" in bad.stderr.splitlines()[-1]

@@ -20,9 +20,11 @@ from adloco.algorithms.batch_tests import GroupedGradient
 from adloco.algorithms.controller import StepCost, fit_step_cost
 from adloco.algorithms.flat import flatten, unflatten
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches, split_evenly
+from adloco.api.rounds import LoopRounds
 from adloco.batch.policy import TrainerBatch, pace_for
+from adloco.batch.rounds import pinned_seconds
 from adloco.config import BatchConfig, ConfigError
-from adloco.pace import CostModel, pinned_costs
+from adloco.pace import CostModel, Pace, pinned_costs
 from adloco.sync import RoundState, WorkerRound
 from adloco.trainer import Trainer
 from adloco.worker import backward_in_groups, backward_in_micro_batches
@@ -51,6 +53,7 @@ class AdaptiveBatch:
         self.trainers, self.worker_id = trainers, worker_id  # the loop's own dict: merges remove trainers from it
         self.total_workers = sum(len(t.worker_ids) for t in trainers.values())
         self.sync_every, self.total_samples = sync_every, total_samples
+        self.rounds: LoopRounds | None = None  # the loop's rounds (sync_every=auto: b weighed at the H they choose)
         self.b_max = batch.b_max or batch.b_cap  # no probe of the user's model: given, or the test's cap
         self.costs = _pinned_costs(batch, self.total_workers)
         self.samples_done = 0  # samples the rounds that ended read, over every worker (the budget's count)
@@ -199,9 +202,27 @@ class AdaptiveBatch:
         for trainer in trainers:
             present = [reports[w] for w in trainer.worker_ids if not reports[w].absent]  # an absent one measured none
             if present:
-                pace = pace_for(self.config, self.costs, trainer.worker_ids, self.sync_every, left, 1,
-                                self.total_workers)  # fmt: skip
-                trainer.batch.decide_from_reports(present, pace)
+                trainer.batch.decide_from_reports(present, self._pace(trainer, left))
+
+    def _pace(self, trainer: Trainer, left: int | None) -> Pace | None:
+        """What a time-aware decision weighs: at the round's H, or with ``sync_every=auto`` each candidate b at
+        the H the rule would choose for its step time (b and H chosen together, as adloco train's)."""
+        rounds = self.rounds
+        pace = pace_for(self.config, self.costs, trainer.worker_ids, self.sync_every if rounds is None else
+                        rounds.length, left, 1, self.total_workers)  # fmt: skip
+        if pace is not None and rounds is not None and rounds.auto is not None:
+            pace.per_step = rounds.auto.planner(pace.round_seconds, rounds.ratio(self.lr()))
+        return pace
+
+    def lr(self) -> float:
+        """The inner optimizer's lr (its first group's), as the loop's schedule set it."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def pinned_seconds(self) -> tuple[float, float] | None:
+        """(t, c) as ``batch.step_seconds`` and ``batch.round_seconds`` pin them, both given (one worker a rank);
+        None where either is measured."""
+        samples = {w: self.plans[k].samples for k, t in self.trainers.items() for w in t.worker_ids}
+        return pinned_seconds(self.costs, samples, {w: w for w in samples})
 
     def account(self, state: RoundState, steps: int) -> None:
         """After every trainer's reports reached every rank: the samples the round read (the budget) and the

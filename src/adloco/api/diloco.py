@@ -126,6 +126,7 @@ class DiLoCo(LoopState):
         if adaptive:
             self.batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.trainers, self.rank,
                                        self.config.first_sync_every, total_samples)  # fmt: skip
+            self.batch.rounds = self.rounds
         self.inner_step = 0  # inner steps taken since the start, over every round
         self._state = self._new_round()
         self._hooks: list[Any] = []
@@ -269,7 +270,8 @@ class DiLoCo(LoopState):
         if self.batch is not None:
             self.batch.after_round(state, steps, every_trainer=self.replica is not None)
         self._across_trainers(state, steps)
-        self.rounds.end(state, self.trainers.values(), float(self.optimizer.param_groups[0]["lr"]))
+        pinned = None if self.batch is None else self.batch.pinned_seconds()
+        self.rounds.end(state, self.trainers.values(), float(self.optimizer.param_groups[0]["lr"]), pinned)
         if record.out:
             self.optimizer.state.clear()  # it restarts from θ (the strategy saw to that); its moments may hold NaN
         self.last_round = state

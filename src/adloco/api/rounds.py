@@ -54,13 +54,25 @@ class LoopRounds:
         drift = sync.take_drift(trainer.trainer_id)
         trainer.dispersion = dispersion(drift.worker_sq, drift.mean_sq, state.weights)
 
-    def end(self, state: RoundState, trainers: Iterable[Trainer], lr: float) -> None:
+    def ratio(self, lr: float) -> float:
+        """The inner lr ``lr`` over the highest it has had (``lr_ratio`` where the loop gives it)."""
+        peak = max(self.peak_lr, lr)
+        return self.lr_ratio if self.lr_ratio is not None else (lr / peak if peak > 0 else 1.0)
+
+    def end(
+        self,
+        state: RoundState,
+        trainers: Iterable[Trainer],
+        lr: float,
+        pinned: tuple[float, float] | None = None,
+    ) -> None:
         """Once every trainer's reports and dispersion reached every rank: the next round's H, at the inner
-        learning rate ``lr`` the loop's optimizer now has."""
+        learning rate ``lr`` the loop's optimizer now has; ``pinned``: (t, c) as the batch's pinned costs give
+        them, instead of the reports' (AdLoCo on pinned costs, as adloco train)."""
         ranks = {w: w for w in state.reports}  # one worker per rank
+        ratio = self.ratio(lr)
         self.peak_lr = max(self.peak_lr, lr)
-        ratio = self.lr_ratio if self.lr_ratio is not None else (lr / self.peak_lr if self.peak_lr > 0 else 1.0)
-        self.last = next_sync_every(self.auto, self.length, state, ranks, trainers, ratio)
+        self.last = next_sync_every(self.auto, self.length, state, ranks, trainers, ratio, pinned)
         self.count += 1
 
     def state_dict(self) -> dict[str, Any]:

@@ -124,13 +124,19 @@ class RoundBatches:
                                self.lr_ratio, self.pinned_seconds(worker_rank))  # fmt: skip
 
     def pinned_seconds(self, worker_rank: Mapping[int, int]) -> tuple[float, float] | None:
-        """(t, c) as ``batch.step_seconds`` and ``batch.round_seconds`` pin them, both given: the busiest rank's
-        step at this round's plans and the round's overhead; None where either is measured."""
-        costs = self.costs
-        if costs is None or costs.follow_steps or costs.pinned_round is None:
-            return None
-        per_worker = {w: costs.worker_cost(w).at(samples) for w, samples in self.samples_per_step().items()}
-        return busiest_rank(per_worker, worker_rank), costs.pinned_round
+        """(t, c) as ``batch.step_seconds`` and ``batch.round_seconds`` pin them (``pinned_seconds``)."""
+        return pinned_seconds(self.costs, self.samples_per_step(), worker_rank)
+
+
+def pinned_seconds(
+    costs: CostModel | None, samples: Mapping[int, int], worker_rank: Mapping[int, int]
+) -> tuple[float, float] | None:
+    """(t, c) as ``batch.step_seconds`` and ``batch.round_seconds`` pin them, both given: the busiest rank's step
+    at each worker's ``samples`` per step and the round's overhead; None where either is measured."""
+    if costs is None or costs.follow_steps or costs.pinned_round is None:
+        return None
+    per_worker = {w: costs.worker_cost(w).at(n) for w, n in samples.items()}
+    return busiest_rank(per_worker, worker_rank), costs.pinned_round
 
 
 def busiest_rank(seconds: Mapping[int, float], worker_rank: Mapping[int, int]) -> float:

@@ -197,8 +197,8 @@ def test_replicas_of_adloco_train_with_sync_every_auto_choose_one_h_that_a_repli
     applies it as its peer does (not at all), so their θ never part, and their decisions' figures agree. AdLoCo:
     b and H chosen together on every replica alike (each candidate b weighed at the H the rule would choose)."""
     root, deadline = tmp_path / "runs", time.monotonic() + DEADLINE_S
-    # 256 steps of 2 workers' 2 samples of 16 tokens; AdLoCo's b grows to 8: about 16 rounds of H = 16 at the end
-    tokens = 65536 if "method=adloco" in method else 16384
+    # 256 steps of 2 workers' 2 samples of 16 tokens; AdLoCo's b grows to 8: about 8 rounds of H = 16 at the end
+    tokens = 32768 if "method=adloco" in method else 16384
     auto = ["sync_every=auto", "sync_auto.start=4", "sync_auto.min=2", "sync_auto.max=64", *method]
     lighthouse, address = _lighthouse(min_replicas=2)  # replica 0 waits for 1 to come back: no split job
     try:

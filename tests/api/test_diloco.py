@@ -52,12 +52,8 @@ def _loop(tmp_path: Path, out: Path, settings: list[str], *flags: str, script: P
         ([*STREAMING_FP4, "total_tokens=1280"], [], 9),
         # the loop clips before the hook averages the gradients, adloco train after: without clipping they agree
         (["method=ddp", "inner.clip=null", "total_tokens=512"], [], None),
-        # the adaptive batch: the time-aware controller on pinned costs grows b; the budget cuts the last round
-        (
-            ["method=adloco", "sync_every=2", "batch.size=1", "batch.b_cap=64", *PINNED_PACE, "total_tokens=2000"],
-            [],
-            None,
-        ),
+        # (the time-aware controller at a fixed H on pinned costs: adloco train's replicas, which run this loop's
+        # DiLoCo, against its plain run in tests/test_replica_training.py)
         # two trainers of one worker each, their own batch tests (b 3 and 15), merged after round 2 (weights by b)
         (MERGES, [], None),
         # b and H chosen together: each candidate b weighed at the H the rule would choose (pinned costs)
@@ -81,7 +77,6 @@ def _loop(tmp_path: Path, out: Path, settings: list[str], *flags: str, script: P
         "diloco-own-group",
         "streaming-fp4-ef-resumed-mid-round",
         "ddp",
-        "adloco-time-controller",
         "adloco-merges",
         "adloco-auto",
     ],  # fmt: skip

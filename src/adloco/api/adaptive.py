@@ -219,9 +219,11 @@ class AdaptiveBatch:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def pinned_seconds(self) -> tuple[float, float] | None:
-        """(t, c) as ``batch.step_seconds`` and ``batch.round_seconds`` pin them, both given (one worker a rank);
-        None where either is measured."""
-        samples = {w: self.plans[k].samples for k, t in self.trainers.items() for w in t.worker_ids}
+        """(t, c) as ``batch.step_seconds`` and ``batch.round_seconds`` pin them, both given (one worker a rank),
+        t at the b each trainer just decided (the coming round's, as adloco train's); None where either is
+        measured."""
+        plans = self._plans()
+        samples = {w: plans[k].samples for k, t in self.trainers.items() for w in t.worker_ids}
         return pinned_seconds(self.costs, samples, {w: w for w in samples})
 
     def account(self, state: RoundState, steps: int) -> None:

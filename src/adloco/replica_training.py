@@ -184,6 +184,7 @@ class _ReplicaLoop:
         self.written = 0  # rounds of diloco.replica.history in metrics.jsonl
         self.merges_written = 0  # of diloco.merges (several trainers)
         self.losses: list[float | torch.Tensor] = []  # a step's loss stays on its device until its round's record
+        self.loss_trainer = diloco.trainer.trainer_id  # the trainer the losses are of
         self.tokens = 0
         # the bytes this replica sent, over its lives: on from its metrics' last round record
         self.bytes_before = _last_bytes_total(metrics.path)
@@ -236,6 +237,7 @@ class _ReplicaLoop:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         rounds = self.diloco.rounds.count
+        self.loss_trainer = self.diloco.trainer.trainer_id  # whose round this is (a merge at its end moves it)
         self.optimizer.step()  # DiLoCo's hook: a round's end, its exchange, the next quorum (maybe a heal)
         if self.diloco.rounds.count != rounds:
             self._evaluate_if_due()
@@ -297,7 +299,7 @@ class _ReplicaLoop:
             loss = sum(float(x) for x in self.losses) / len(self.losses) if self.losses else None
             fields = {**asdict(record), "round": record.round + 1, **self._bytes()}
             fields["val_loss"] = self.val.pop(record.round + 1, None)  # by trainer, as adloco train's records
-            train_loss = None if loss is None else {self.diloco.trainer.trainer_id: loss}
+            train_loss = None if loss is None else {self.loss_trainer: loss}
             self.metrics.write("round", **fields, step=self.diloco.inner_step, tokens=self.tokens,
                                train_loss=train_loss, replica=replica.comm.rank, **age)  # fmt: skip
             self.losses = []

@@ -57,7 +57,9 @@ class AdaptiveBatch:
         self.b_max = batch.b_max or batch.b_cap  # no probe of the user's model: given, or the test's cap
         self.costs = _pinned_costs(batch, self.total_workers)
         self.samples_done = 0  # samples the rounds that ended read, over every worker (the budget's count)
-        self.worker_samples = 0  # samples one worker of this rank's trainer reads in those rounds, as planned
+        # samples each worker (of every trainer) reads in those rounds, as planned: where a replica that heals
+        # moves its data stream to, whichever peer's state it healed from
+        self.samples_by_worker: dict[int, int] = {}
         self.base_beta2 = [group["betas"][1] if "betas" in group else None for group in optimizer.param_groups]
         self.plans = self._plans()
         self.statistics_due = False
@@ -233,8 +235,8 @@ class AdaptiveBatch:
             extra = max(self.plans[k].samples, 2) - self.plans[k].samples if state.statistics_due and steps else 0
             present = sum(not state.reports[w].absent for w in t.worker_ids)
             self.samples_done += (steps * self.plans[k].samples + extra) * present
-            if self.worker_id in t.worker_ids:  # where a replica that heals moves its data stream to
-                self.worker_samples += steps * self.plans[k].samples + extra
+            for w in t.worker_ids:
+                self.samples_by_worker[w] = self.samples_by_worker.get(w, 0) + steps * self.plans[k].samples + extra
         if self.costs is not None:
             reports = {w: state.reports[w] for t in self.trainers.values() for w in t.worker_ids}
             reports = {w: r for w, r in reports.items() if not r.absent}
@@ -267,7 +269,7 @@ class AdaptiveBatch:
         return {
             "costs": None if self.costs is None else self.costs.state_dict(),
             "samples_done": self.samples_done,
-            "worker_samples": self.worker_samples,
+            "samples_by_worker": dict(self.samples_by_worker),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -276,7 +278,15 @@ class AdaptiveBatch:
             self.costs = self.costs or CostModel(base, self.config.step_seconds is None, self.config.round_seconds)
             self.costs.load_state_dict(state["costs"])
         self.samples_done = int(state["samples_done"])
-        self.worker_samples = int(state.get("worker_samples", 0))  # 0: a state saved before it was kept
+        by_worker = state.get("samples_by_worker")
+        if by_worker is None:  # a state saved before: its own worker's count alone (0 before that)
+            by_worker = {self.worker_id: int(state.get("worker_samples", 0))}
+        self.samples_by_worker = {int(w): int(n) for w, n in by_worker.items()}
+
+    @property
+    def worker_samples(self) -> int:
+        """Samples this rank's worker read in the rounds that ended, as planned (a replica's stream position)."""
+        return self.samples_by_worker.get(self.worker_id, 0)
         self._follow_batch()
 
 

@@ -149,6 +149,7 @@ class DiLoCo(LoopState):
             self.replica = Replica(self.config.fault_tolerance, self._shared_state, self._heal,
                                    lambda: self.rounds.count, device)  # fmt: skip
             self.replica.comm.theta_digest = self._theta_digest  # a split job shows in it
+            self.replica.comm.keeps_slots = trainers > 1  # the other trainers read the own exchanges' slots
             self.comm: Communicator = self.replica.comm
         else:
             self.comm = _communicator(process_group, device)
@@ -266,12 +267,13 @@ class DiLoCo(LoopState):
         if self.batch is not None:
             self.batch.stamp(state, self.rank, steps)
         self.rounds.stamp(record, steps)
-        self.rounds.exchange(self.sync, state, self.trainer)
+        self.rounds.exchange(self.sync, state)
         if self.batch is not None:
             self.batch.after_round(state, steps, every_trainer=self.replica is not None)
         self._across_trainers(state, steps)
         pinned = None if self.batch is None else self.batch.pinned_seconds()
         self.rounds.end(state, self.trainers.values(), float(self.optimizer.param_groups[0]["lr"]), pinned)
+        self._merge_if_due(state)  # after H is chosen, as adloco train's merges
         if record.out:
             self.optimizer.state.clear()  # it restarts from θ (the strategy saw to that); its moments may hold NaN
         self.last_round = state
@@ -288,14 +290,16 @@ class DiLoCo(LoopState):
         self.replica.history[-1].sync_every = self.rounds.length
 
     def _across_trainers(self, state: RoundState, steps: int) -> None:
-        """Every trainer's state and reports to every rank (several trainers: each rank runs one), the round's
-        samples counted, and AdLoCo's merge when one is due (``merge.every`` rounds)."""
-        several = len(self.trainers) > 1
-        if several:
+        """Every trainer's state and reports to every rank (several trainers: each rank runs one) and the round's
+        samples counted."""
+        if len(self.trainers) > 1:
             synchronize(self.comm, self.trainers, state)
         if self.batch is not None:
             self.batch.account(state, steps)
-        if several:
+
+    def _merge_if_due(self, state: RoundState) -> None:
+        """AdLoCo's merge of several trainers when one is due (``merge.every`` rounds)."""
+        if len(self.trainers) > 1:
             event = maybe_merge(self.comm, self.trainers, self.workers, self.config.merge, state.index)
             if event is not None:
                 self.merges.append(event)

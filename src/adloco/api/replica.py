@@ -121,6 +121,7 @@ class Replica:
         it (``sync``). A line is logged when the replicas taking part change, not every round."""
         if not self.history:
             return
+        self.comm.end_round()
         record = self.history[-1]
         record.sync = sync
         record.absent = sorted(self.comm.missing)

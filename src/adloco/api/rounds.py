@@ -46,13 +46,15 @@ class LoopRounds:
         if math.isnan(record.overhead_seconds) or self.auto is not None:
             record.overhead_seconds = self.exchange_seconds
 
-    def exchange(self, sync: SyncStrategy, state: RoundState, trainer: Trainer) -> None:
-        """The round boundary's exchanges, timed, and the dispersion of ``trainer``'s workers in them."""
+    def exchange(self, sync: SyncStrategy, state: RoundState) -> None:
+        """The round boundary's exchanges, timed, and the dispersion of the workers of every trainer taking part
+        here (every trainer on a fault-tolerant replica; the others' arrive with their state under torchrun)."""
         boundary = time.perf_counter()
         sync.end_of_round(state)
         self.exchange_seconds = time.perf_counter() - boundary
-        drift = sync.take_drift(trainer.trainer_id)
-        trainer.dispersion = dispersion(drift.worker_sq, drift.mean_sq, state.weights)
+        for trainer in sync.taking_part():
+            drift = sync.take_drift(trainer.trainer_id)
+            trainer.dispersion = dispersion(drift.worker_sq, drift.mean_sq, state.weights)
 
     def ratio(self, lr: float) -> float:
         """The inner lr ``lr`` over the highest it has had (``lr_ratio`` where the loop gives it)."""

@@ -102,12 +102,17 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         self._exchanged: list[list[list[torch.Tensor] | None] | None] = []
         self._read: dict[tuple[int, ...], int] = {}
         self._like: list[torch.Tensor] = []  # the rows' tensors (every trainer's alike)
+        self.keeps_slots = False  # several trainers: the others read the own exchanges' slots (until the round ends)
 
     def start_round(self) -> None:
         """The round's quorum: blocks until the Lighthouse forms it (at most the quorum timeout)."""
         self.diverged = False
-        self._exchanged, self._read = [], {}
+        self.end_round()
         self.manager.start_quorum()
+
+    def end_round(self) -> None:
+        """Let go of the round's slots (every replica's rows): the other trainers have read them."""
+        self._exchanged, self._read = [], {}
 
     @property
     def participants(self) -> int:
@@ -150,10 +155,12 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         slots = unpack_slots(buffer, [*own, digest]) if buffer is not None else None
         if slots is not None:
             self._check_digests([slot[-1] for slot in slots if slot is not None], digest)
-        self._exchanged.append(None if slots is None else [slot[:-1] if slot is not None else None for slot in slots])
+        rows = None if slots is None else [slot[:-1] if slot is not None else None for slot in slots]
+        if self.keeps_slots:
+            self._exchanged.append(rows)
         self._like = own
         self.missing = frozenset(w for w, slot in enumerate(slots or [None] * self.world_size) if slot is None)
-        present = self._rows_of(self._exchanged[-1], workers)
+        present = self._rows_of(rows, workers)
         self.stats.bytes_sent += contributed_bytes([own] * (len(workers) - len(self.absent)), workers)
         self.stats.exchanges += 1
         return _done(present)

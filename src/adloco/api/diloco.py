@@ -412,9 +412,9 @@ def _replica_settings(
     if process_group is not None or shards is not None:
         raise ValueError("a fault-tolerant replica is one process of one worker: no process_group, no sharded model")
     overlap = (sections["outer"] or {}).get("overlap", "none")
-    if trainers > 1 and (method not in ("diloco", "localsgd", "adloco") or overlap != "none"):
+    if trainers > 1 and (method not in ("diloco", "localsgd", "adloco") or overlap != "none" or sync_every == "auto"):
         raise ValueError("several trainers as fault-tolerant replicas: DiLoCo, LocalSGD or AdLoCo without "
-                         "outer.overlap for now")  # fmt: skip
+                         "outer.overlap, at a fixed sync_every, for now")  # fmt: skip
     replicas = sections["fault_tolerance"].get("replicas")
     world = replicas if isinstance(replicas, int) and replicas > 0 else 1
     return loop_settings(method, sync_every, world, sections, trainers)

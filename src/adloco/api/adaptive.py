@@ -45,15 +45,14 @@ class AdaptiveBatch:
         params: Sequence[torch.Tensor],
         trainers: Mapping[int, Trainer],
         worker_id: int,
-        sync_every: int,
+        rounds: LoopRounds,
         total_samples: int | None = None,
     ) -> None:
         _check_supported(batch)
         self.config, self.optimizer, self.params = batch, optimizer, list(params)
         self.trainers, self.worker_id = trainers, worker_id  # the loop's own dict: merges remove trainers from it
         self.total_workers = sum(len(t.worker_ids) for t in trainers.values())
-        self.sync_every, self.total_samples = sync_every, total_samples
-        self.rounds: LoopRounds | None = None  # the loop's rounds (sync_every=auto: b weighed at the H they choose)
+        self.rounds, self.total_samples = rounds, total_samples  # rounds: their H (auto: b weighed at the H chosen)
         self.b_max = batch.b_max or batch.b_cap  # no probe of the user's model: given, or the test's cap
         self.costs = _pinned_costs(batch, self.total_workers)
         self.samples_done = 0  # samples the rounds that ended read, over every worker (the budget's count)
@@ -188,11 +187,9 @@ class AdaptiveBatch:
         record.step_seconds = self.compute_seconds / max(steps, 1)
         record.overhead_seconds = max(0.0, time.perf_counter() - self._round_started - self.compute_seconds)
 
-    def after_round(self, state: RoundState, steps: int, every_trainer: bool = False) -> None:
-        """The round's end (its trainer's reports in): this worker's trainer decides its next batch, alike on every
-        rank of the trainer; ``every_trainer``: every trainer does, here (every rank holds every trainer's reports,
-        as fault-tolerant replicas do)."""
-        trainers = list(self.trainers.values()) if every_trainer else [self.trainer]
+    def after_round(self, state: RoundState, steps: int, trainers: Sequence[Trainer]) -> None:
+        """The round's end (the reports of the ``trainers`` taking part here in): each decides its next batch, alike
+        on every rank of it (every trainer on a fault-tolerant replica, which holds every trainer's reports)."""
         reports = {w: state.reports[w] for t in trainers for w in t.worker_ids}
         if self.costs is None and self.config.controller == "time":
             samples = {w: self.plans[t.trainer_id].samples for t in trainers for w in t.worker_ids}
@@ -210,9 +207,8 @@ class AdaptiveBatch:
         """What a time-aware decision weighs: at the round's H, or with ``sync_every=auto`` each candidate b at
         the H the rule would choose for its step time (b and H chosen together, as adloco train's)."""
         rounds = self.rounds
-        pace = pace_for(self.config, self.costs, trainer.worker_ids, self.sync_every if rounds is None else
-                        rounds.length, left, 1, self.total_workers)  # fmt: skip
-        if pace is not None and rounds is not None and rounds.auto is not None:
+        pace = pace_for(self.config, self.costs, trainer.worker_ids, rounds.length, left, 1, self.total_workers)
+        if pace is not None and rounds.auto is not None:
             pace.per_step = rounds.auto.planner(pace.round_seconds, rounds.ratio(self.lr()))
         return pace
 

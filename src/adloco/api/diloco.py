@@ -125,8 +125,7 @@ class DiLoCo(LoopState):
         self.batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
         if adaptive:
             self.batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.trainers, self.rank,
-                                       self.config.first_sync_every, total_samples)  # fmt: skip
-            self.batch.rounds = self.rounds
+                                       self.rounds, total_samples)  # fmt: skip
         self.inner_step = 0  # inner steps taken since the start, over every round
         self._state = self._new_round()
         self._hooks: list[Any] = []
@@ -269,7 +268,7 @@ class DiLoCo(LoopState):
         self.rounds.stamp(record, steps)
         self.rounds.exchange(self.sync, state)
         if self.batch is not None:
-            self.batch.after_round(state, steps, every_trainer=self.replica is not None)
+            self.batch.after_round(state, steps, self.sync.taking_part())
         self._across_trainers(state, steps)
         pinned = None if self.batch is None else self.batch.pinned_seconds()
         self.rounds.end(state, self.trainers.values(), float(self.optimizer.param_groups[0]["lr"]), pinned)

@@ -2,13 +2,15 @@
 
 ``python replica_loop.py OUT --replica I --replicas N --lighthouse ADDR [--steps S] [--die-after N] [--step-seconds
 T] [--min-replicas M] [--device cpu|cuda] [--backend auto|gloo|nccl] [--method diloco|streaming] [--overlap
-none|delayed|eager] [--trainers T] [--plain]`` (``--method adloco``: its adaptive batch, on pinned costs). Worker I's
-samples at inner step s are drawn from a generator seeded by (I, s) on the CPU, so a replica that joins mid-run reads
-exactly the samples of the steps it takes (from ``diloco.inner_step``, which it healed from a peer), and none of the
-steps before, on any device. ``--die-after N`` kills the process (SIGKILL, no clean-up) after it took N steps, mid-
-round when N is not a multiple of H (``--hang-after N`` stops it there instead, SIGSTOP); ``--step-seconds`` adds
-that much time to each step, as a larger model's compute would. At the end it writes θ (``OUT/replica<I>.pt``) and
-what each round was (``OUT/replica<I>.json``).
+none|delayed|eager] [--trainers T] [--shards S] [--plain]`` (``--method adloco``: its adaptive batch, on pinned
+costs). Worker I's samples at inner step s are drawn from a generator seeded by (I, s) on the CPU, so a replica that
+joins mid-run reads exactly the samples of the steps it takes (from ``diloco.inner_step``, which it healed from a
+peer), and none of the steps before, on any device. ``--die-after N`` kills the process (SIGKILL, no clean-up) after
+it took N steps, mid- round when N is not a multiple of H (``--hang-after N`` stops it there instead, SIGSTOP);
+``--step-seconds`` adds that much time to each step, as a larger model's compute would. At the end it writes θ
+(``OUT/replica<I>.pt``) and what each round was (``OUT/replica<I>.json``). ``--shards S``: under torchrun, each
+worker's model sharded with FSDP2 over S ranks, each taking its part of the worker's batch (a replica is a torchrun
+job of S ranks; ``--die-after`` kills its first rank, and torchrun the others).
 """
 
 import argparse
@@ -40,6 +42,17 @@ def batch(worker: int, step: int, device: str = "cpu", size: int = 16) -> tuple[
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
+def sharded_mesh(shards: int):
+    """A (workers × shards) mesh over the torchrun job (one worker's shards when it is a replica) and this rank's
+    shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.distributed.init_process_group("gloo")
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", (world // shards, shards), mesh_dim_names=("replicate", "shard"))
+    return mesh, mesh.get_local_rank("shard")
+
+
 def held_out_loss(net: torch.nn.Module) -> float:
     x, y = batch(10_000, 0, next(net.parameters()).device)
     with torch.no_grad():
@@ -65,31 +78,43 @@ def main() -> None:
     parser.add_argument("--method", default="diloco", help="diloco, streaming (2 fragments, tau 1) or adloco")
     parser.add_argument("--overlap", default="none", help="outer.overlap: none, delayed or eager")
     parser.add_argument("--trainers", type=int, default=1, help="trainers (AdLoCo: merged every 2 rounds)")
+    parser.add_argument("--shards", type=int, default=1, help="each worker sharded over S torchrun ranks (FSDP2)")
     parser.add_argument("--plain", action="store_true", help="a torchrun rank over the default group instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    group, shard, part = None, 0, slice(None)
+    if args.shards > 1:
+        mesh, shard = sharded_mesh(args.shards)
+        group = mesh["replicate"] if args.plain else None
+        part = slice(shard * 16 // args.shards, (shard + 1) * 16 // args.shards)  # this rank's part of the batch
     if args.plain:
-        torch.distributed.init_process_group("gloo")
-        replica, ft = torch.distributed.get_rank(), None
+        if args.shards == 1:
+            torch.distributed.init_process_group("gloo")
+        replica, ft = torch.distributed.get_rank() // args.shards, None
     else:
         replica = args.replica
         ft = {"lighthouse": args.lighthouse, "replica": replica, "replicas": args.replicas,
               "min_replicas": args.min_replicas, "host": "127.0.0.1", "exchange_timeout_s": args.exchange_timeout,
               "quorum_timeout_s": 60.0, "backend": args.backend}  # fmt: skip
     net = model(device=args.device)
+    if args.shards > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        net = fully_shard(net, mesh=mesh["shard"])
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     started = time.monotonic()
     outer = {"overlap": args.overlap} if args.overlap != "none" else None
     adaptive = {"batch": ADAPTIVE, "total_samples": 16 * 3 * args.steps} if args.method == "adloco" else {}
     diloco = DiLoCo(net, optimizer, sync_every=H, method=args.method, outer=outer, fault_tolerance=ft,
-                    trainers=args.trainers, **adaptive)  # fmt: skip
+                    trainers=args.trainers, process_group=group, **adaptive)  # fmt: skip
     joined = time.monotonic() - started
-    (Path(args.out) / f"replica{replica}.started").touch()  # past its first quorum: training
+    if shard == 0:
+        (Path(args.out) / f"replica{replica}.started").touch()  # past its first quorum: training
     first_step = diloco.inner_step
     sizes = []  # AdLoCo: each round's b
     with diloco:
         while diloco.inner_step < args.steps:
-            if args.die_after is not None and diloco.inner_step - first_step == args.die_after:
+            if args.die_after is not None and diloco.inner_step - first_step == args.die_after and shard == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.hang_after is not None and diloco.inner_step - first_step == args.hang_after:
                 os.kill(os.getpid(), signal.SIGSTOP)
@@ -99,7 +124,7 @@ def main() -> None:
             time.sleep(args.step_seconds)
             if diloco.batch is None:
                 x, y = batch(replica, diloco.inner_step, args.device)
-                torch.nn.functional.mse_loss(net(x), y).backward()
+                torch.nn.functional.mse_loss(net(x[part]), y[part]).backward()
             else:  # as many samples as the batch asks for, its backward measuring on a statistics step
                 if diloco.round_step == 0:
                     sizes.append(diloco.batch.size)
@@ -109,13 +134,18 @@ def main() -> None:
             optimizer.zero_grad()
     diloco.finish()
     out = Path(args.out)
-    torch.save([p.detach().cpu() for p in net.parameters()], out / f"replica{replica}.pt")
+    theta = [(p.full_tensor() if args.shards > 1 else p).detach().cpu() for p in net.parameters()]
+    loss = held_out_loss(net)  # every shard of a sharded worker takes part in its forward
+    if shard > 0:  # the first rank of a sharded worker writes it whole
+        torch.distributed.destroy_process_group()
+        return
+    torch.save(theta, out / f"replica{replica}.pt")
     history = [vars(r) for r in diloco.replica.history] if diloco.replica is not None else []
     result = {"first_step": first_step, "steps": diloco.inner_step, "rounds": diloco.rounds.count,
-              "joined_seconds": joined, "history": history, "loss": held_out_loss(net), "sizes": sizes,
+              "joined_seconds": joined, "history": history, "loss": loss, "sizes": sizes,
               "merges": [m.to_dict() for m in diloco.merges], "trainers": sorted(diloco.trainers)}  # fmt: skip
     (out / f"replica{replica}.json").write_text(json.dumps(result))
-    if args.plain:
+    if args.plain or args.shards > 1:
         torch.distributed.destroy_process_group()
 
 

@@ -188,8 +188,9 @@ def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path,
 
 
 @needs_torchft
-# DiLoCo's: the frameworks' test; AdLoCo's of one trainer: the trainers' after their merges (b grows throughout)
-@pytest.mark.parametrize("method", ["streaming", "eager", "trainers"])
+# DiLoCo's: the frameworks' test; AdLoCo's of one trainer: the trainers' after their merges (b grows throughout);
+# eager outer updates: the sharded workers' below
+@pytest.mark.parametrize("method", ["streaming", "trainers"])
 def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_peer(tmp_path, method):
     """Streaming: the replica dies between its round's two fragment exchanges (steps 2 and 4 of each round) and
     rejoins at a round's start with fragment 0's exchange of the round before still to apply (τ = 1). AdLoCo: the
@@ -232,6 +233,46 @@ def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_p
         sizes = [r["sizes"] for r in results]
         assert sizes[2] == sizes[0][-len(sizes[2]) :] == sizes[1][-len(sizes[2]) :]
         assert sizes[2][0] > sizes[0][0]  # b had grown while it was away
+
+
+def _sharded_replica(out: Path, replica: int, lighthouse: str, *flags: str) -> subprocess.Popen:
+    """A replica of a worker sharded over 2 ranks with FSDP2: a torchrun job of its own."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--monitor-interval=0.1"]
+    command += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(LOOP), str(out), "--shards", "2"]
+    command += ["--replica", str(replica), "--lighthouse", lighthouse, *flags]
+    env = {**_env(), "RUST_LOG": "error"}
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@needs_torchft
+def test_a_sharded_workers_replica_that_loses_a_rank_is_left_out_and_heals_shard_by_shard(tmp_path):
+    """2 replicas, each a worker sharded over 2 ranks with FSDP2 (a torchrun job of its own), eager outer updates.
+    Replica 1's first rank is SIGKILLed mid-round and torchrun ends its other rank; replica 0 trains on alone. Started
+    again, each of replica 1's ranks heals its rows from the rank of replica 0 holding the same rows, with an exchange
+    in flight, and both end on the same θ. (Without a fault these replicas end on the bits of the same workers as 4
+    torchrun ranks over a 2-D mesh: checked by hand with ``replica_loop.py --shards 2 [--plain]``.)"""
+    deadline = time.monotonic() + DEADLINE_S
+    flags = ["--replicas", "2", "--steps", "200", "--step-seconds", "0.1", "--exchange-timeout", "5"]
+    flags += ["--overlap", "eager", "--min-replicas", "1"]
+    lighthouse, address = _lighthouse(min_replicas=1)
+    try:
+        survivor = _sharded_replica(tmp_path, 0, address, *flags)
+        doomed = _sharded_replica(tmp_path, 1, address, *flags, "--die-after", "6")
+        assert _finish([doomed], deadline) == [1]  # torchrun: one of its ranks failed
+        back = _sharded_replica(tmp_path, 1, address, *flags)
+        assert _finish([survivor, back], deadline) == [0, 0]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    survived, rejoined = (json.loads((tmp_path / f"replica{r}.json").read_text()) for r in range(2))
+    history = survived["history"]
+    assert len(history) == 50 - survived["first_step"] // 4  # it never restarted
+    assert any(h["absent"] == [1] and h["committed"] for h in history)
+    assert len([h for h in history if not h["committed"]]) <= 1  # at most the round replica 1 died in
+    first = rejoined["history"][0]
+    assert rejoined["first_step"] > 6 and first["healed"] and first["round"] == rejoined["first_step"] // 4
+    assert all(h["participants"] == 2 and h["committed"] for h in rejoined["history"])
+    assert _same(_theta(tmp_path, 1), _theta(tmp_path, 0))
 
 
 def _histories(out: Path, replicas) -> list[list[dict]]:

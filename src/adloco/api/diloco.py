@@ -146,7 +146,7 @@ class DiLoCo(LoopState):
         if sections["fault_tolerance"] is not None:
             self.config = _replica_settings(method, sync_every, sections, trainers, process_group, self.shards)
             self.replica = Replica(self.config.fault_tolerance, self._shared_state, self._heal,
-                                   lambda: self.rounds.count, device)  # fmt: skip
+                                   lambda: self.rounds.count, device, self.shards)  # fmt: skip
             self.replica.comm.theta_digest = self._theta_digest  # a split job shows in it
             self.replica.comm.keeps_slots = trainers > 1  # the other trainers read the own exchanges' slots
             self.comm: Communicator = self.replica.comm
@@ -407,9 +407,13 @@ def _replica_settings(
     process_group: Any,
     shards: WorkerShards | None,
 ) -> TrainConfig:
-    """The settings of a fault-tolerant replica: one worker per process, the job's size from the section."""
-    if process_group is not None or shards is not None:
-        raise ValueError("a fault-tolerant replica is one process of one worker: no process_group, no sharded model")
+    """The settings of a fault-tolerant replica: one worker per replica (a process, or the ranks of a sharded one),
+    the job's size from the section."""
+    if process_group is not None:
+        raise ValueError("a fault-tolerant replica is one worker: no process_group (the replicas exchange over "
+                         "torchft's); a sharded worker's replica is its shard group's ranks")  # fmt: skip
+    if shards is not None and sync_every == "auto":
+        raise ValueError("a sharded worker's replicas take a fixed sync_every for now")
     overlap = (sections["outer"] or {}).get("overlap", "none")
     if trainers > 1 and (method not in ("diloco", "localsgd", "adloco") or overlap != "none" or sync_every == "auto"):
         raise ValueError("several trainers as fault-tolerant replicas: DiLoCo, LocalSGD or AdLoCo without "

@@ -1,14 +1,15 @@
 """A user's loop as one replica of a fault-tolerant job on torchft.
 
-Each process is a replica (a torchft replica group of one rank) hosting one worker. At the start of every round
-the replica asks torchft's Lighthouse for the round's quorum: the replicas there train the round together and
-exchange over a process group the Manager reconfigures to them, without a restart. A replica that starts (new, or
-again after it died) is held at that call until the running replicas end their round, then heals from one of
-them: θ, the outer optimizer state and the round counters; its inner optimizer starts afresh. A replica that dies
-mid-round is missing from the round's exchange: the exchange fails on the others, who drop that round (no outer
-step; it is not redone) and form the next round's quorum without it, where its slot reads as absent (out). A
-replica that committed less than its peers (an exchange that failed on it alone), or whose θ turns out unlike
-theirs at an exchange (two quorums trained apart), heals at the next round.
+Each replica (a torchft replica group) hosts one worker: one process, or the ranks of a worker sharded over several
+with FSDP2, each exchanging its rows with the ranks holding the same rows in the other replicas. At the start of
+every round the replica asks torchft's Lighthouse for the round's quorum: the replicas there train the round
+together and exchange over a process group the Manager reconfigures to them, without a restart. A replica that
+starts (new, or again after it died) is held at that call until the running replicas end their round, then heals
+from one of them: θ, the outer optimizer state and the round counters; its inner optimizer starts afresh. A replica
+that dies mid-round is missing from the round's exchange: the exchange fails on the others, who drop that round (no
+outer step; it is not redone) and form the next round's quorum without it, where its slot reads as absent (out). A
+replica that committed less than its peers (an exchange that failed on it alone), or whose θ turns out unlike theirs
+at an exchange (two quorums trained apart), heals at the next round.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from adloco.api.worker import WorkerShards
 from adloco.comm.replicas import ReplicaCommunicator
 from adloco.config_sections import FaultToleranceConfig
 
@@ -56,21 +58,22 @@ class Replica:
         load: Callable[[Any], None],
         current_round: Callable[[], int],
         device: torch.device,
+        shards: WorkerShards | None = None,
     ) -> None:
         try:
             from torchft.manager import Manager
         except ImportError as error:
             raise ValueError(f"fault_tolerance needs torchft (pip install 'adloco[torchft]'): {error}") from None
         assert settings.lighthouse is not None and settings.replica is not None and settings.replicas is not None
+        self.shards = shards
         if settings.min_replicas <= settings.replicas // 2:
-            log.warning("fault_tolerance.min_replicas=%d is not a majority of %d replicas: the job can split into "
+            self._warn("fault_tolerance.min_replicas=%d is not a majority of %d replicas: the job can split into "
                         "quorums that train apart; a majority (Lighthouse --min-replicas too) rules that out",
                         settings.min_replicas, settings.replicas)  # fmt: skip
         backend = exchange_backend(settings.backend, device)
         host = settings.host or socket.gethostname()
         timeout = timedelta(seconds=settings.exchange_timeout_s)
-        # The replica group's own store (one rank); its peers reach it to form the quorum's process group.
-        self.store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        store_port = self._group_store(host)
         self._load, self._current_round = load, current_round
         self.healed = False
         self.manager = Manager(
@@ -82,10 +85,10 @@ class Replica:
             timeout=timeout,
             quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
             connect_timeout=timeout,
-            rank=0,
-            world_size=1,
+            rank=0 if shards is None else shards.index,
+            world_size=1 if shards is None else shards.count,
             store_addr=host,
-            store_port=self.store.port,
+            store_port=store_port,
             lighthouse_addr=settings.lighthouse,
             replica_id=f"adloco_{settings.replica:05d}",  # sorted by id: replica 0 is the first source of θ
             hostname=host,
@@ -96,7 +99,22 @@ class Replica:
         logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
         transport = device if backend == "nccl" else torch.device("cpu")
         self.comm = ReplicaCommunicator(self.manager, settings.replica, settings.replicas, transport)
+        if shards is not None:
+            self.comm.shards, self.comm.shard = shards.count, shards.index
         self.history: list[RoundFaults] = []
+
+    def _group_store(self, host: str) -> int:
+        """The port of the replica group's own store, which its shard 0 holds (its peers reach it to form the
+        quorum's process group); the other shards of a sharded worker learn it over their shard group."""
+        self.store = None
+        if self.shards is None or self.shards.index == 0:
+            self.store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        if self.shards is None:
+            return self.store.port
+        port = torch.tensor([self.store.port if self.store is not None else 0], device=self.shards.device)
+        first = torch.distributed.get_global_rank(self.shards.group, 0)
+        torch.distributed.broadcast(port, src=first, group=self.shards.group)
+        return int(port.item())
 
     def _heal(self, state: Any) -> None:
         self._load(state)
@@ -113,7 +131,7 @@ class Replica:
         record.started = time.time()
         self.history.append(record)
         if self.healed and index > 0:
-            log.warning("replica %d joined at round %d and healed from a peer", self.comm.rank, index + 1)
+            self._warn("replica %d joined at round %d and healed from a peer", self.comm.rank, index + 1)
         return self.healed
 
     def end_round(self, sync: dict[str, Any] | None = None) -> None:
@@ -126,16 +144,18 @@ class Replica:
         record.sync = sync
         record.absent = sorted(self.comm.missing)
         record.committed = self.comm.committed
-        record.diverged = self.comm.diverged
+        # every shard of a sharded worker heals, or none: torchft asks the Lighthouse with one step for them all
+        diverged = self.comm.diverged
+        record.diverged = diverged if self.shards is None else not self.shards.all_agree(not diverged)
         if record.diverged:
             self._heal_next_round(record.round)
         before = self.history[-2].absent if len(self.history) > 1 else []
         if not record.committed:
-            log.warning("round %d was dropped: its exchange failed (no outer step)", record.round + 1)
+            self._warn("round %d was dropped: its exchange failed (no outer step)", record.round + 1)
         elif record.absent != before:
             present = self.comm.world_size - len(record.absent)
             missing = ", ".join(map(str, record.absent)) or "none"
-            log.warning("round %d: %d of %d replicas took part (absent: %s)", record.round + 1, present,
+            self._warn("round %d: %d of %d replicas took part (absent: %s)", record.round + 1, present,
                         self.comm.world_size, missing)  # fmt: skip
 
     def _heal_next_round(self, index: int) -> None:
@@ -143,8 +163,13 @@ class Replica:
         step behind, so the next quorum heals it from a peer that is not (torchft heals the replicas behind)."""
         state = self.manager.state_dict()
         self.manager.load_state_dict({**state, "step": max(0, state["step"] - 1)})
-        log.warning("replica %d: its θ after round %d is not its peers' (the job had split into quorums that trained "
+        self._warn("replica %d: its θ after round %d is not its peers' (the job had split into quorums that trained "
                     "apart); it heals from a peer at the next round", self.comm.rank, index + 1)  # fmt: skip
+
+    def _warn(self, message: str, *args: Any) -> None:
+        """A line about the job, once per replica: from the first shard of a sharded worker."""
+        if self.shards is None or self.shards.index == 0:
+            log.warning(message, *args)
 
     def close(self) -> None:
         self.comm.close()

@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--method", default="diloco", help="diloco, streaming (2 fragments, tau 1) or adloco")
     parser.add_argument("--overlap", default="none", help="outer.overlap: none, delayed or eager")
     parser.add_argument("--trainers", type=int, default=1, help="trainers (AdLoCo: merged every 2 rounds)")
+    parser.add_argument("--sync-every", default=str(H), help="H, or auto (from 4, between 2 and 8)")
     parser.add_argument("--shards", type=int, default=1, help="each worker sharded over S torchrun ranks (FSDP2)")
     parser.add_argument("--plain", action="store_true", help="a torchrun rank over the default group instead")
     args = parser.parse_args()
@@ -105,8 +106,10 @@ def main() -> None:
     started = time.monotonic()
     outer = {"overlap": args.overlap} if args.overlap != "none" else None
     adaptive = {"batch": ADAPTIVE, "total_samples": 16 * 3 * args.steps} if args.method == "adloco" else {}
-    diloco = DiLoCo(net, optimizer, sync_every=H, method=args.method, outer=outer, fault_tolerance=ft,
-                    trainers=args.trainers, process_group=group, **adaptive)  # fmt: skip
+    sync_every = "auto" if args.sync_every == "auto" else int(args.sync_every)
+    auto = {"sync_auto": {"start": H, "min": 2, "max": 8}} if sync_every == "auto" else {}
+    diloco = DiLoCo(net, optimizer, sync_every=sync_every, method=args.method, outer=outer, fault_tolerance=ft,
+                    trainers=args.trainers, process_group=group, **adaptive, **auto)  # fmt: skip
     joined = time.monotonic() - started
     if shard == 0:
         (Path(args.out) / f"replica{replica}.started").touch()  # past its first quorum: training

@@ -62,6 +62,16 @@ def refusals(mesh) -> list[str]:
     return said
 
 
+def first_decision(mesh, batches, part) -> dict:
+    """The H decision at the end of a first round of 2 steps with sync_every="auto" (sharded over ``mesh["shard"]``
+    when ``part`` takes this rank's share of the batch)."""
+    model, optimizer = build(mesh["shard"] if part is not None else None)
+    diloco = DiLoCo(model, optimizer, sync_every="auto", sync_auto={"start": 2, "min": 2, "max": 8},
+                    process_group=mesh["replicate"])  # fmt: skip
+    example.train(model, optimizer, batches(0, 2), diloco, **({"part": part} if part is not None else {}))
+    return diloco.rounds.last.to_dict()
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -104,6 +114,8 @@ def main(out: Path) -> None:
         "rounds": sharded.inner_step // H + 1,
         "bytes": [sharded.comm.stats.wire_bytes, unsharded.comm.stats.wire_bytes],
         "refusals": refusals(mesh),
+        # a sharded worker's shards choose one H from the whole worker's dispersion, as the unsharded workers'
+        "auto": [first_decision(mesh, batches, half), first_decision(mesh, batches, None)],
     }
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, found)

@@ -101,7 +101,8 @@ def test_workers_sharded_with_fsdp2_exchange_their_rows_and_resume_from_dcp(tmp_
     """4 torchrun ranks, 2 workers each sharded over 2 ranks with FSDP2 (examples/sharded_loop.py's loop), DiLoCo
     over the mesh's other dimension: the θ of the same 2 workers unsharded up to the order of float additions (each
     worker's gradient is the mean of its shards'), half the bytes per rank; stopped mid-round, saved with DCP and
-    resumed by new objects, the same bits; the whole job or an HSDP mesh as the exchange refused on every rank."""
+    resumed by new objects, the same bits; the whole job or an HSDP mesh as the exchange refused on every rank; with
+    sync_every="auto" every rank decides the same H from the whole workers' dispersion."""
     out = tmp_path / "found.json"
     _loop(tmp_path, out, [], script=LOOP.with_name("sharded_loop_check.py"), ranks=4)
     for rank in json.loads(out.read_text()):
@@ -112,6 +113,11 @@ def test_workers_sharded_with_fsdp2_exchange_their_rows_and_resume_from_dcp(tmp_
         assert 0.49 < sharded / whole < 0.51
         assert "shards of different rows of a sharded model" in rank["refusals"][0]
         assert "with a replicated dimension (HSDP)" in rank["refusals"][1]
+    ranks = json.loads(out.read_text())
+    # sync_every="auto": every shard of every worker decides alike, from the dispersion of the whole workers
+    sharded, whole = ranks[0]["auto"]
+    assert all(rank["auto"][0] == sharded for rank in ranks)
+    assert sharded["dispersion"] == pytest.approx(whole["dispersion"], rel=1e-4)
 
 
 # -- one process: a world of one worker ---------------------------------------------------------------------------

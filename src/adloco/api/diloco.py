@@ -108,7 +108,9 @@ class DiLoCo(LoopState):
         sections = {"outer": outer, "streaming": streaming, "codec": codec, "batch": batch, "merge": merge,
                     "sync_auto": sync_auto, "fault_tolerance": fault_tolerance}  # fmt: skip
         self._connect(method, sync_every, sections, trainers, process_group)
-        self.rounds = LoopRounds(self.config)  # their count and H (sync_every="auto": chosen at each round's end)
+        self.rounds = LoopRounds(
+            self.config, self.shards
+        )  # their count and H (sync_every="auto": chosen at each round's end)
         self.check_finite = check_finite  # off where a loss scaler already keeps overflowing steps out
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.comm.set_placement({w: w for w in range(self.world_size)})
@@ -412,8 +414,6 @@ def _replica_settings(
     if process_group is not None:
         raise ValueError("a fault-tolerant replica is one worker: no process_group (the replicas exchange over "
                          "torchft's); a sharded worker's replica is its shard group's ranks")  # fmt: skip
-    if shards is not None and sync_every == "auto":
-        raise ValueError("a sharded worker's replicas take a fixed sync_every for now")
     overlap = (sections["outer"] or {}).get("overlap", "none")
     if trainers > 1 and (method not in ("diloco", "localsgd", "adloco") or overlap != "none" or sync_every == "auto"):
         raise ValueError("several trainers as fault-tolerant replicas: DiLoCo, LocalSGD or AdLoCo without "

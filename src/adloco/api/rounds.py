@@ -1,5 +1,7 @@
 """How long a user's loop's rounds are: H fixed, or chosen at each round's end (``sync_every="auto"``) from the
-loop's own timings and the workers' dispersion, which every rank learns from the round's reports."""
+loop's own timings and the workers' dispersion, which every rank learns from the round's reports. The shards of a
+worker sharded over several ranks each exchange their own rows with their own reports: they sum their parts of the
+dispersion's norms and take the largest times over the worker's shard group, so every shard decides the same H."""
 
 from __future__ import annotations
 
@@ -9,17 +11,20 @@ from collections.abc import Iterable
 from typing import Any
 
 from adloco.algorithms.sync_every import SyncDecision, dispersion
-from adloco.batch.rounds import auto_sync_every, next_sync_every
+from adloco.api.worker import WorkerShards
+from adloco.batch.rounds import auto_sync_every, busiest_rank, next_sync_every
 from adloco.config import TrainConfig
 from adloco.sync import RoundState, SyncStrategy, WorkerRound
+from adloco.sync.rounds import exchange_time
 from adloco.trainer import Trainer
 
 
 class LoopRounds:
     """The rounds of a loop: their count, the H of the one in progress and the timings that choose the next."""
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, shards: WorkerShards | None = None) -> None:
         self.fixed = config.first_sync_every
+        self.shards = shards if config.auto_sync else None  # a sharded worker's shards decide H together
         self.auto = auto_sync_every(config)  # None: H stays fixed
         self.count = 0  # rounds ended since the start
         self.last: SyncDecision | None = None  # the last round's H decision (or figures, for a fixed H)
@@ -54,7 +59,16 @@ class LoopRounds:
         self.exchange_seconds = time.perf_counter() - boundary
         for trainer in sync.taking_part():
             drift = sync.take_drift(trainer.trainer_id)
-            trainer.dispersion = dispersion(drift.worker_sq, drift.mean_sq, state.weights)
+            worker_sq, mean_sq = self._whole_worker(drift.worker_sq, drift.mean_sq)
+            trainer.dispersion = dispersion(worker_sq, mean_sq, state.weights)
+
+    def _whole_worker(self, worker_sq: dict[int, float], mean_sq: float) -> tuple[dict[int, float], float]:
+        """The dispersion's squared norms over every shard of the workers (a shard holds some of their rows)."""
+        if self.shards is None:
+            return worker_sq, mean_sq
+        workers = sorted(worker_sq)
+        parts = self.shards.sum([*(worker_sq[w] for w in workers), mean_sq])
+        return dict(zip(workers, parts[:-1], strict=True)), parts[-1]
 
     def ratio(self, lr: float) -> float:
         """The inner lr ``lr`` over the highest it has had (``lr_ratio`` where the loop gives it)."""
@@ -72,6 +86,9 @@ class LoopRounds:
         learning rate ``lr`` the loop's optimizer now has; ``pinned``: (t, c) as the batch's pinned costs give
         them, instead of the reports' (AdLoCo on pinned costs, as adloco train)."""
         ranks = {w: w for w in state.reports}  # one worker per rank
+        if self.shards is not None and pinned is None:  # the slowest shard's step and exchange, on every shard
+            step = busiest_rank({w: r.step_seconds for w, r in state.reports.items()}, ranks)
+            pinned = tuple(self.shards.largest([step, exchange_time(state.reports.values())]))
         ratio = self.ratio(lr)
         self.peak_lr = max(self.peak_lr, lr)
         self.last = next_sync_every(self.auto, self.length, state, ranks, trainers, ratio, pinned)

@@ -35,6 +35,21 @@ class WorkerShards:
         dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
         return bool(value[0] > 0)
 
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """``values`` summed over this worker's shards (each holds its rows' part of a norm)."""
+        return self._reduce(values, "SUM")
+
+    def largest(self, values: Sequence[float]) -> list[float]:
+        """Each of ``values`` at its largest over this worker's shards (NaN where a shard's is)."""
+        return self._reduce(values, "MAX")
+
+    def _reduce(self, values: Sequence[float], op: str) -> list[float]:
+        import torch.distributed as dist
+
+        tensor = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=self.group)
+        return tensor.tolist()
+
 
 def worker_shards(params: Sequence[torch.Tensor]) -> WorkerShards | None:
     """How the model's parameters are sharded over ranks (FSDP2), or None for a whole model on this rank. One

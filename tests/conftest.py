@@ -69,3 +69,21 @@ def cut_back(run_dir: Path, dest: Path, keep: int) -> Path:
     for path in list_checkpoints(dest / "checkpoints")[keep:]:
         shutil.rmtree(path) if path.is_dir() else path.unlink()  # a sharded checkpoint is a folder
     return dest
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (Linux's /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.comm.test_distributed import BASE, _env, _free_port
+from tests.conftest import process_tree
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
@@ -46,23 +47,6 @@ def _listening_sockets() -> dict[str, str]:
             if fields[3] == "0A":  # TCP_LISTEN
                 found[fields[9]] = f"{_address(fields[1])}:{int(fields[1].rsplit(':', 1)[1], 16)}"
     return found
-
-
-def _process_tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
 
 
 def _socket_inodes(pid: int) -> set[str]:
@@ -105,7 +89,7 @@ def test_a_loopback_torchrun_job_listens_on_loopback_only(tmp_path):
     try:
         while job.poll() is None and time.monotonic() < deadline:
             listening = _listening_sockets()
-            tree = _process_tree(job.pid)
+            tree = process_tree(job.pid)
             ranks_seen = max(ranks_seen, len(tree) - 1)
             for pid in tree:
                 for inode in _socket_inodes(pid) & listening.keys():

@@ -386,6 +386,8 @@ def _train_replica(config, resume: Path | None, console, verbose: bool) -> int:
         print(f"adloco: error: replica {config.fault_tolerance.replica} stopped ({_one_line(line)[:300]}); "
               "the same command starts it again and it heals from its peers", file=sys.stderr)  # fmt: skip
         return 1
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # a sharded worker's first rank speaks for its replica
     print(f"run directory: {result['run_dir']}")
     print(
         f"replica {config.fault_tolerance.replica}: final validation loss {result['val_loss']:.4f} "

@@ -20,12 +20,13 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
 
 from adloco.algorithms.schedules import inner_lr
+from adloco.algorithms.sharding import local_rows
 from adloco.api import DiLoCo
 from adloco.checkpoint import latest_checkpoint, save_checkpoint
 from adloco.config import ConfigError, TrainConfig
@@ -39,6 +40,9 @@ from adloco.runs import lock_run
 from adloco.tasks import Task
 from adloco.training import export_final
 
+if TYPE_CHECKING:
+    from adloco.replica_shards import ReplicaShards
+
 log = logging.getLogger("adloco")
 STREAM_SEED_STRIDE = 1_000_003  # worker i's stream seed, as adloco train's workers draw theirs
 CHECKPOINTS = "checkpoints"  # a replica's checkpoints, in its run directory
@@ -46,13 +50,21 @@ CHECKPOINTS = "checkpoints"  # a replica's checkpoints, in its run directory
 
 def check_replica_run(config: TrainConfig, resume: Path | None, torchrun: bool) -> None:
     """What ``adloco train`` as a replica cannot be, each as a one-line error."""
-    if torchrun:
+    from adloco.comm.distributed import world_size_from_env
+
+    if config.shards > 1 and (not torchrun or world_size_from_env() != config.shards):
+        raise ConfigError(f"fault_tolerance with shards={config.shards}: each replica is a torchrun job of its own "
+                          f"{config.shards} ranks (torchrun --nproc_per_node={config.shards})")  # fmt: skip
+    if torchrun and config.shards == 1:
         raise ConfigError("fault_tolerance: each replica is a process of its own; start it without torchrun")
+    if config.shards > 1 and (config.method == "adloco" or config.trainers > 1):
+        raise ConfigError("fault_tolerance: a sharded worker's replicas run DiLoCo, LocalSGD or streaming of one "
+                          "trainer for now")  # fmt: skip
     if resume is not None:
         raise ConfigError("--resume: a replica started again goes on from its own checkpoint, or heals from its "
                           "peers when they are further on; start it with the same command")  # fmt: skip
-    if config.shards != 1 or config.elastic:
-        raise ConfigError("fault_tolerance: adloco train's replicas take shards=1 and elastic=false for now")
+    if config.elastic:
+        raise ConfigError("fault_tolerance: adloco train's replicas take elastic=false (the replicas are elastic)")
 
 
 def replica_run_dir(config: TrainConfig) -> Path:
@@ -70,28 +82,40 @@ def replica_run_dir(config: TrainConfig) -> Path:
 def train_replica(config: TrainConfig, task: Task, tokenizer: Any, console: Console) -> dict[str, Any]:
     """Train this replica to the token budget; the summary of the run (as ``adloco train`` prints it)."""
     run_dir = replica_run_dir(config)
-    lock = lock_run(run_dir)
+    device = resolve_device(config)
+    shards = None
+    if config.shards > 1:
+        from adloco.replica_shards import ReplicaShards
+
+        shards = ReplicaShards(config.shards, device, config.fault_tolerance.exchange_timeout_s)
+    lock = lock_run(run_dir) if shards is None or shards.first else None
     error: BaseException | None = None
     try:
-        write_run_config(run_dir, config)
-        if not (run_dir / SAVED_DIR).exists():
-            save_tokenizer(tokenizer, run_dir / SAVED_DIR)
-        return {"run_dir": run_dir, **_train_in(config, task, tokenizer.describe(), run_dir, console)}
+        if lock is not None:
+            write_run_config(run_dir, config)
+            if not (run_dir / SAVED_DIR).exists():
+                save_tokenizer(tokenizer, run_dir / SAVED_DIR)
+        return {"run_dir": run_dir, **_train_in(config, task, tokenizer.describe(), run_dir, console, shards)}
     except BaseException as raised:
         error = raised
         raise
     finally:
-        lock.release(error)
+        if lock is not None:
+            lock.release(error)
+        if shards is not None:
+            shards.close()
 
 
-def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, console) -> dict:
+def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, console, shards: ReplicaShards | None) -> dict:
     ft = config.fault_tolerance
     device = resolve_device(config)
     model = task.build_model(config.seed).to(device)
+    if shards is not None:
+        model = shards.shard(model, device)
     optimizer = _inner_optimizer(model, config, device)
     stream = task.stream(config.seed * STREAM_SEED_STRIDE + ft.replica, worker=ft.replica, workers=ft.replicas)
     started = time.perf_counter()
-    saved = _own_checkpoint(run_dir / CHECKPOINTS, model, optimizer)
+    saved = _own_checkpoint(run_dir / CHECKPOINTS, model, optimizer, shards)
     try:
         diloco = DiLoCo(model, optimizer, config.sync_every, config.method, **_sections(config, task),
                         trainers=config.trainers, state=None if saved is None else saved["diloco"])  # fmt: skip
@@ -103,50 +127,82 @@ def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, console) 
     # went on from its own checkpoint (no peer further on): the rounds after it are trained again, so their
     # records from before go; after a heal the records stand (those rounds were the job's)
     resumed = saved is not None and not diloco.replica.healed
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_round=saved["round"] if resumed else None)
+    speaks = shards is None or shards.first
+    path = run_dir / "metrics.jsonl"
+    metrics = MetricsWriter(path, resume_round=saved["round"] if resumed else None) if speaks else _Unwritten(path)
     try:
-        loop = _ReplicaLoop(config, task, stream, diloco, metrics, run_dir / CHECKPOINTS)
-        return _train_with(loop, config, tokenizer_info, run_dir, console, started)
+        loop = _ReplicaLoop(config, task, stream, diloco, metrics, run_dir / CHECKPOINTS, shards)
+        return _train_with(loop, config, tokenizer_info, run_dir, console if speaks else None, started)
     finally:
         metrics.close()
 
 
-def _own_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
-    """This replica's newest checkpoint, with the model's and the inner optimizer's state loaded from it; None
-    when it wrote none. DiLoCo's part is loaded before its first quorum."""
-    saved = latest_checkpoint(directory)
+class _Unwritten:
+    """The records of a replica's other shards: its first one writes them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, kind: str, **fields: Any) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _own_checkpoint(
+    directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, shards: ReplicaShards | None
+) -> dict | None:
+    """This replica's newest checkpoint (a sharded worker's: the newest round all its ranks saved, each rank its
+    own), with the model's and the inner optimizer's state loaded from it; None when it wrote none. DiLoCo's part
+    is loaded before its first quorum."""
+    if shards is None:
+        saved = latest_checkpoint(directory)
+    else:
+        found = shards.newest(directory)
+        directory, saved = (directory, None) if found is None else found
     if saved is None:
         return None
     if not {"diloco", "model", "optimizer"} <= set(saved):
         raise CheckpointError(f"the checkpoint in {directory} is not a replica's: it lacks its model or DiLoCo state")
     try:
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
+        if shards is None:
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+        else:
+            shards.load(saved, model, optimizer)
     except (RuntimeError, ValueError, KeyError) as error:
         raise CheckpointError(f"the checkpoint in {directory} is another model's ({first_line(error)})") from None
     return saved
 
 
 def _train_with(loop: _ReplicaLoop, config, tokenizer_info: dict, run_dir: Path, console, started: float) -> dict:
-    ft, task, model, diloco, metrics = config.fault_tolerance, loop.task, loop.model, loop.diloco, loop.metrics
-    if config.run.progress:
+    """The replica's rounds, then its final record (and export) of θ. ``console`` None: a sharded worker's rank
+    other than its first, which trains and takes part in gathering θ but writes nothing."""
+    ft, task, diloco, metrics = config.fault_tolerance, loop.task, loop.diloco, loop.metrics
+    if config.run.progress and console is not None:
         console.print(f"adloco: replica {ft.replica} of {ft.replicas} at step {diloco.inner_step}, run directory "
                       f"{run_dir}", markup=False, highlight=False, soft_wrap=True)  # fmt: skip
     loop.run(console if config.run.progress else None)
     diloco.finish()  # the model is θ now
     loop.write_rounds(last=True)
-    theta = [p.detach() for p in model.parameters()]
-    limit = None if config.eval.final_full else config.eval.blocks
-    final = task.evaluate(model, theta, limit)
+    theta = loop.whole_theta(diloco.trainer)
+    sent = loop.bytes_before + loop.bytes_sent()
     seconds = time.perf_counter() - started
-    summary = {"val_loss": final.loss, "perplexity": math.exp(final.loss), "accuracy": final.accuracy,
-               "tokens": loop.tokens, "rounds": diloco.rounds.count, "seconds": seconds}  # fmt: skip
+    summary = {"tokens": loop.tokens, "rounds": diloco.rounds.count, "seconds": seconds}
+    if console is None:
+        return {**summary, "val_loss": math.nan}
+    limit = None if config.eval.final_full else config.eval.blocks
+    final = task.evaluate(loop.eval_model, theta, limit)
+    summary.update(val_loss=final.loss, perplexity=math.exp(final.loss), accuracy=final.accuracy)
     own = diloco.trainer.trainer_id  # by trainer, as adloco train's final record (this replica's θ is its own's)
-    sent = loop.bytes_before + diloco.comm.stats.bytes_sent
     metrics.write("final", **{**summary, "val_loss": {own: final.loss}}, best_trainer=own, replica=ft.replica,
                   steps=diloco.inner_step, samples_read=loop.read, bytes_total=sent)  # fmt: skip
     if config.run.save_final:
-        export_final(model, theta, run_dir, tokenizer_info)
+        export_final(loop.eval_model, theta, run_dir, tokenizer_info)
     return summary
 
 
@@ -171,10 +227,11 @@ class _ReplicaLoop:
     """The inner steps of one replica: its stream at DiLoCo's step, the scheduled lr, a record per round. With
     ``method=adloco`` the adaptive batch decides how many samples a step reads and the budget ends the run."""
 
-    def __init__(self, config, task, stream, diloco: DiLoCo, metrics: MetricsWriter, checkpoints: Path) -> None:
+    def __init__(self, config, task, stream, diloco: DiLoCo, metrics, checkpoints: Path, shards=None) -> None:
         self.config, self.task, self.model, self.optimizer = config, task, diloco.model, diloco.optimizer
         self.stream, self.diloco, self.metrics, self.checkpoints = stream, diloco, metrics, checkpoints
-        self.device = next(self.model.parameters()).device
+        self.shards: ReplicaShards | None = shards  # the ranks of a sharded worker; its first one writes
+        self.device = local_rows(next(self.model.parameters())).device
         self.eval_model = task.build_model(config.seed).to(self.device)  # θ is evaluated apart from the worker
         self.val: dict[int, dict[int, float]] = {}  # rounds (from 1) evaluated, by trainer, not yet in a record
         self.b = config.batch.size
@@ -187,7 +244,7 @@ class _ReplicaLoop:
         self.loss_trainer = diloco.trainer.trainer_id  # the trainer the losses are of
         self.tokens = 0
         # the bytes this replica sent, over its lives: on from its metrics' last round record
-        self.bytes_before = _last_bytes_total(metrics.path)
+        self.bytes_before = _last_bytes_total(metrics.path) if shards is None or shards.first else 0
         self.bytes_recorded = 0  # of diloco.comm.stats.bytes_sent, in the records written
         self.shown = self.saved_at = time.monotonic()
 
@@ -224,7 +281,10 @@ class _ReplicaLoop:
         data = [t.to(self.device) for t in self.stream.next_batch(samples)]
         self.read += samples
         self.optimizer.zero_grad(set_to_none=True)
-        if self.diloco.batch is None:
+        if self.shards is not None:  # this rank's share of the step, as adloco train shards=S splits it
+            b_max = self.config.batch.b_max or samples
+            self.losses.append(self.shards.backward(self._loss_of(data), samples, b_max))
+        elif self.diloco.batch is None:
             loss = self.task.loss(self.model, *data)
             loss.backward()
             self.losses.append(loss.detach())  # no wait for the GPU every step
@@ -247,16 +307,29 @@ class _ReplicaLoop:
             self.shown = time.monotonic()
             console.print(self._progress(), markup=False, highlight=False, soft_wrap=True)
 
+    def _loss_of(self, data: list[torch.Tensor]):
+        return lambda offset, size: self.task.loss(self.model, *(t[offset : offset + size] for t in data))
+
+    def whole_theta(self, trainer) -> list[torch.Tensor]:
+        """``trainer``'s θ whole (a sharded worker's ranks gather their rows: every rank takes part)."""
+        rows = [t.detach() for t in trainer.theta]
+        return rows if self.shards is None else self.shards.whole(self.model, rows)
+
+    def bytes_sent(self) -> int:
+        """The bytes of this replica's exchanges (a sharded worker's: every rank's rows)."""
+        sent = self.diloco.comm.stats.bytes_sent
+        return sent if self.shards is None else int(self.shards.total(sent))
+
     def _evaluate_if_due(self) -> None:
         """Each trainer's θ after the round that just ended on ``eval.blocks`` validation blocks, every
         ``eval.every`` rounds (as adloco train's periodic evaluation)."""
         count, replica, blocks = self.diloco.rounds.count, self.diloco.replica, self.config.eval.blocks
         assert replica is not None
         if count % self.config.eval.every == 0 and not replica.healed:  # healed: the peers' round, not in a record
-            self.val[count] = {
-                k: self.task.evaluate(self.eval_model, [t.detach() for t in trainer.theta], blocks).loss
-                for k, trainer in self.diloco.trainers.items()
-            }
+            thetas = {k: self.whole_theta(trainer) for k, trainer in self.diloco.trainers.items()}
+            if self.shards is None or self.shards.first:
+                self.val[count] = {k: self.task.evaluate(self.eval_model, theta, blocks).loss
+                                   for k, theta in thetas.items()}  # fmt: skip
 
     def _checkpoint_if_due(self) -> None:
         """This replica's state at a round's end (its next quorum formed), every ``checkpoint.every`` rounds or
@@ -267,10 +340,15 @@ class _ReplicaLoop:
         late = minutes is not None and time.monotonic() - self.saved_at >= 60 * minutes
         if count % every and not late:
             return
-        state = {"diloco": self.diloco.state_dict(), "model": self.model.state_dict(),
-                 "optimizer": self.optimizer.state_dict()}  # fmt: skip
+        keep = self.config.checkpoint.keep
         self.checkpoints.mkdir(exist_ok=True)
-        save_checkpoint(self.checkpoints, count, state, self.config.checkpoint.keep)
+        if self.shards is None:
+            state = {"diloco": self.diloco.state_dict(), "model": self.model.state_dict(),
+                     "optimizer": self.optimizer.state_dict()}  # fmt: skip
+            save_checkpoint(self.checkpoints, count, state, keep)
+        else:  # each rank its own rows
+            self.shards.save(self.checkpoints, count, keep, diloco=self.diloco.state_dict(), model=self.model,
+                             optimizer=self.optimizer)  # fmt: skip
         self.saved_at = time.monotonic()
 
     def _catch_up(self) -> None:
@@ -314,7 +392,7 @@ class _ReplicaLoop:
         """The bytes of the exchanges since the last record (``bytes``) and over this replica's lives
         (``bytes_total``), counted as a plain run counts them: every present worker's row once (what a network of
         one worker per machine carries); rounds this replica missed are not in them."""
-        sent = self.diloco.comm.stats.bytes_sent
+        sent = self.bytes_sent()
         recorded, self.bytes_recorded = sent - self.bytes_recorded, sent
         return {"bytes": recorded, "bytes_total": self.bytes_before + sent}
 

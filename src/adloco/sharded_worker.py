@@ -119,17 +119,9 @@ class ShardedWorker(Worker):
         b_max: int,
         scale: float | None,
     ) -> float:
-        """This rank's share of samples [start, stop), in as many micro-batches as every other shard runs (FSDP's
-        collectives pair up micro-batch by micro-batch); the worker's mean loss, summed over the shards."""
-        shares = split_evenly(stop - start, self.shards)
-        low = start + sum(shares[: self.shard])
-        high = low + shares[self.shard]
-        if low == high:
-            low = high = start  # no samples here: stand-in micro-batches of weight zero read a sample that exists
-        micro_batches = split_evenly(high - low, -(-shares[0] // b_max))
-        mean = backward_in_micro_batches(loss_of, low, high, weight_total, b_max, scale, micro_batches)
-        total = self.sum_over_shards((mean * (high - low)).reshape(1))
-        return float(total[0]) / (stop - start)
+        """This rank's share of samples [start, stop) (``backward_shard``); the worker's mean loss."""
+        shard = (self.shard, self.shards)
+        return backward_shard(loss_of, start, stop, weight_total, b_max, scale, shard, self.sum_over_shards)
 
     def _fitting_step(self, accumulate: Callable[[int], StepResult], b_max: int) -> StepResult:
         """No retry with a smaller micro-batch after running out of memory: the worker's other ranks would be
@@ -137,17 +129,52 @@ class ShardedWorker(Worker):
         return self._checked(accumulate(b_max), b_max)
 
     def _optimizer_state(self) -> dict:
-        state = self.optimizer.state_dict()
-        local = {k: {n: local_rows(v) for n, v in s.items()} for k, s in state["state"].items()}
-        return {**state, "state": local}
+        return local_optimizer_state(self.optimizer)
 
     def _load_optimizer_state(self, state: dict) -> None:
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        distributed = {
-            k: {n: sharded_like(params[int(k)], v) if _moment(v) else v for n, v in s.items()}
-            for k, s in state["state"].items()
-        }
-        self.optimizer.load_state_dict({**state, "state": distributed})
+        load_local_optimizer_state(self.optimizer, state)
+
+
+def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """A sharded model's optimizer state with this rank's rows of each moment (plain tensors, saved by any rank)."""
+    state = optimizer.state_dict()
+    local = {k: {n: local_rows(v) for n, v in s.items()} for k, s in state["state"].items()}
+    return {**state, "state": local}
+
+
+def load_local_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """``local_optimizer_state``'s rows back into the optimizer of the same sharded model."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    distributed = {
+        k: {n: sharded_like(params[int(k)], v) if _moment(v) else v for n, v in s.items()}
+        for k, s in state["state"].items()
+    }
+    optimizer.load_state_dict({**state, "state": distributed})
+
+
+def backward_shard(
+    loss_of: Callable[[int, int], torch.Tensor],
+    start: int,
+    stop: int,
+    weight_total: int,
+    b_max: int,
+    scale: float | None,
+    shard: tuple[int, int],
+    sum_over_shards: Callable[[torch.Tensor], torch.Tensor],
+) -> float:
+    """The backward of shard ``shard`` = (index, count) of a sharded worker over its share of samples [start, stop),
+    in as many micro-batches as every other shard runs (FSDP's collectives pair up micro-batch by micro-batch), each
+    weighted by its share of ``weight_total``; the worker's mean loss, summed over the shards."""
+    index, count = shard
+    shares = split_evenly(stop - start, count)
+    low = start + sum(shares[:index])
+    high = low + shares[index]
+    if low == high:
+        low = high = start  # no samples here: stand-in micro-batches of weight zero read a sample that exists
+    micro_batches = split_evenly(high - low, -(-shares[0] // b_max))
+    mean = backward_in_micro_batches(loss_of, low, high, weight_total, b_max, scale, micro_batches)
+    total = sum_over_shards((mean * (high - low)).reshape(1))
+    return float(total[0]) / (stop - start)
 
 
 def _moment(value: Any) -> bool:

@@ -65,6 +65,14 @@ def job_key() -> str | None:
     return re.sub(r"[^A-Za-z0-9_-]", "_", run_id)
 
 
+def start_process_group(backend: str, timeout_s: float) -> None:
+    """The default process group of this torchrun job (a loopback job's gloo kept on loopback)."""
+    # gloo otherwise listens on the interface the hostname resolves to
+    if os.environ.get("MASTER_ADDR", "127.0.0.1") in _LOOPBACK:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    _init_process_group(backend, timedelta(seconds=timeout_s))
+
+
 def _init_process_group(backend: str, timeout: timedelta) -> None:
     """``init_process_group`` over torchrun's store, with this attempt's keys kept apart from earlier attempts'.
 
@@ -93,10 +101,7 @@ class DistributedCommunicator(ExchangeMixin):
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
-            # gloo otherwise listens on the interface the hostname resolves to; keep a loopback job on loopback.
-            if os.environ.get("MASTER_ADDR", "127.0.0.1") in _LOOPBACK:
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            _init_process_group(backend, timedelta(seconds=timeout_s))
+            start_process_group(backend, timeout_s)
         self.backend = backend
         self.reduce = reduce
         self.rank = dist.get_rank()

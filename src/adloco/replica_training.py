@@ -52,14 +52,14 @@ def check_replica_run(config: TrainConfig, resume: Path | None, torchrun: bool) 
     """What ``adloco train`` as a replica cannot be, each as a one-line error."""
     from adloco.comm.distributed import world_size_from_env
 
+    if config.shards > 1 and (config.method == "adloco" or config.trainers > 1):
+        raise ConfigError("fault_tolerance: a sharded worker's replicas run DiLoCo, LocalSGD or streaming of one "
+                          "trainer for now")  # fmt: skip
     if config.shards > 1 and (not torchrun or world_size_from_env() != config.shards):
         raise ConfigError(f"fault_tolerance with shards={config.shards}: each replica is a torchrun job of its own "
                           f"{config.shards} ranks (torchrun --nproc_per_node={config.shards})")  # fmt: skip
     if torchrun and config.shards == 1:
         raise ConfigError("fault_tolerance: each replica is a process of its own; start it without torchrun")
-    if config.shards > 1 and (config.method == "adloco" or config.trainers > 1):
-        raise ConfigError("fault_tolerance: a sharded worker's replicas run DiLoCo, LocalSGD or streaming of one "
-                          "trainer for now")  # fmt: skip
     if resume is not None:
         raise ConfigError("--resume: a replica started again goes on from its own checkpoint, or heals from its "
                           "peers when they are further on; start it with the same command")  # fmt: skip

@@ -84,8 +84,10 @@ def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
         "fault_tolerance.replicas=2",
     ]
     cli = adloco_process("train", *replica, "shards=2", cwd=tmp_path)
-    assert cli.returncode == 2 and "take shards=1 and elastic=false for now" in cli.stderr.splitlines()[-1]
+    assert cli.returncode == 2 and "is a torchrun job of its own 2 ranks" in cli.stderr.splitlines()[-1]
     assert "Traceback" not in cli.stderr
+    cli = adloco_process("train", *replica, "shards=2", "method=adloco", cwd=tmp_path)
+    assert cli.returncode == 2 and "DiLoCo, LocalSGD or streaming of one trainer" in cli.stderr.splitlines()[-1]
     bad = adloco_process("lighthouse", "--port", "70000", cwd=tmp_path)
     assert bad.returncode == 2 and "not a port number" in bad.stderr.splitlines()[-1]
 

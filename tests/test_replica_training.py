@@ -194,18 +194,18 @@ def _sharded_replica(root: Path, lighthouse: str, replica: int, tokens: int, *ex
 @needs_torchft
 def test_replicas_of_sharded_workers_all_killed_go_on_from_every_shards_checkpoint_to_the_plain_runs_theta(tmp_path):
     """2 replicas, each a streaming worker (2 fragments) sharded over the 2 ranks of its own torchrun job, killed
-    whole a round or two past their checkpoint of round 4 (of 16) and started again: each rank loads its own
+    whole a round past their checkpoint of round 2 (of 8) and started again: each rank loads its own
     checkpoint of the newest round every rank of its replica saved, neither replica heals, and both end on the θ of
     the plain run of the same 2 workers unsharded (up to the order of float additions; without a fault they end on
     the bits of ``adloco train workers=2 shards=2`` under torchrun, checked by hand). The first rank of each replica
     writes its records, the final model whole."""
     root, deadline = tmp_path / "runs", time.monotonic() + DEADLINE_S
-    tokens = 4096  # 16 rounds of 4 steps of 2 workers' 2 samples of 16 tokens
-    settings = ["method=streaming", "streaming.fragments=2", "streaming.overlap=1", "checkpoint.every=4"]
+    tokens = 2048  # 8 rounds of 4 steps of 2 workers' 2 samples of 16 tokens
+    settings = ["method=streaming", "streaming.fragments=2", "streaming.overlap=1", "checkpoint.every=2"]
     lighthouse, address = _lighthouse(min_replicas=2)
     try:
         procs = [_sharded_replica(root, address, r, tokens, *settings) for r in (0, 1)]
-        while len(_rounds(root, 0)) < 5 and procs[0].poll() is None and time.monotonic() < deadline:
+        while len(_rounds(root, 0)) < 3 and procs[0].poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         for pid in [pid for proc in procs for pid in process_tree(proc.pid)]:  # torchrun and both its ranks
             os.kill(pid, signal.SIGKILL)
@@ -229,7 +229,7 @@ def test_replicas_of_sharded_workers_all_killed_go_on_from_every_shards_checkpoi
     assert not same_params(expected, finals[0])  # the comparison has teeth: the sums ran in another order
     for r in (0, 1):
         records = _rounds(root, r)
-        assert [x["round"] for x in records] == list(range(1, 17))  # once each: the redone rounds' old records gone
+        assert [x["round"] for x in records] == list(range(1, 9))  # once each: the redone rounds' old records gone
         second_life = records[resumed_at]
         assert not second_life["healed"] and second_life["committed"] and "process_seconds" in second_life
 

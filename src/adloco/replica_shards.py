@@ -33,9 +33,8 @@ class ReplicaShards:
         start_process_group("nccl" if device.type == "cuda" else "gloo", timeout_s)
         self.index, self.count = dist.get_rank(), count
         self.mesh = init_device_mesh(device.type, (count,))
-        self.device = device  # where the shard group's collectives take tensors (gloo: the CPU, NCCL: the GPU)
-        if device.type != "cuda":
-            self.device = torch.device("cpu")
+        # where the shard group's collectives take tensors: the GPU for NCCL, the CPU for gloo
+        self.device = device if device.type == "cuda" else torch.device("cpu")
 
     @property
     def first(self) -> bool:

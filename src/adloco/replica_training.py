@@ -227,10 +227,12 @@ class _ReplicaLoop:
     """The inner steps of one replica: its stream at DiLoCo's step, the scheduled lr, a record per round. With
     ``method=adloco`` the adaptive batch decides how many samples a step reads and the budget ends the run."""
 
-    def __init__(self, config, task, stream, diloco: DiLoCo, metrics, checkpoints: Path, shards=None) -> None:
+    def __init__(
+        self, config, task, stream, diloco: DiLoCo, metrics, checkpoints: Path, shards: ReplicaShards | None = None
+    ) -> None:
         self.config, self.task, self.model, self.optimizer = config, task, diloco.model, diloco.optimizer
         self.stream, self.diloco, self.metrics, self.checkpoints = stream, diloco, metrics, checkpoints
-        self.shards: ReplicaShards | None = shards  # the ranks of a sharded worker; its first one writes
+        self.shards = shards  # the ranks of a sharded worker; its first one writes
         self.device = local_rows(next(self.model.parameters())).device
         self.eval_model = task.build_model(config.seed).to(self.device)  # θ is evaluated apart from the worker
         self.val: dict[int, dict[int, float]] = {}  # rounds (from 1) evaluated, by trainer, not yet in a record

@@ -9,6 +9,7 @@ import torch
 from adloco.checkpoint import (
     MANIFEST,
     CheckpointError,
+    drop_checkpoints_after,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -32,6 +33,17 @@ def test_keeps_the_newest_and_records_checksums(tmp_path):
     assert [e["round"] for e in manifest["checkpoints"]] == [2, 3, 4]
     assert all(len(e["sha256"]) == 64 for e in manifest["checkpoints"])
     assert latest_checkpoint(tmp_path)["round"] == 4
+
+
+def test_checkpoints_after_a_round_are_forgotten_manifest_and_files(tmp_path):
+    """A run going on from round 2 trains rounds 3 and 4 again: their old checkpoints must not meet the new ones."""
+    _save_rounds(tmp_path, range(5), keep=4)
+    drop_checkpoints_after(tmp_path, 2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["round_000001.pt", "round_000002.pt"]
+    assert [e["round"] for e in json.loads((tmp_path / MANIFEST).read_text())["checkpoints"]] == [1, 2]
+    assert latest_checkpoint(tmp_path)["round"] == 2
+    drop_checkpoints_after(tmp_path, 2)  # nothing after it: nothing changes
+    assert len(list_checkpoints(tmp_path)) == 2
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):

@@ -136,6 +136,25 @@ def _record(directory: Path, entry: dict[str, Any], keep: int) -> None:
             log.warning("could not remove old checkpoint %s: %s", old.name, error.strerror)
 
 
+def drop_checkpoints_after(directory: Path, round_number: int) -> None:
+    """Forget the checkpoints of rounds after ``round_number`` (the manifest first, atomically, then the files):
+    a run going on from that round trains them again."""
+    entries = read_manifest(directory)
+    kept = [e for e in entries if e.get("round", 0) <= round_number]
+    if len(kept) == len(entries):
+        return
+    manifest = {"format_version": FORMAT_VERSION, "checkpoints": kept}
+    try:
+        atomic_write_bytes(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    except OSError as error:
+        raise write_failure(error, "checkpoint manifest", directory / MANIFEST) from None
+    for entry in (e for e in entries if e not in kept):
+        try:
+            _remove(directory / entry["file"])
+        except OSError as error:  # no longer named: an old checkpoint left behind costs only space
+            log.warning("could not remove checkpoint %s: %s", entry["file"], error.strerror)
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Checkpoints in ``directory`` (files and sharded folders), oldest first."""
     if not directory.is_dir():

@@ -383,6 +383,8 @@ def _train_replica(config, resume: Path | None, console, verbose: bool) -> int:
             raise
         # torchft's failures (no Lighthouse, no quorum in time, a lost exchange) are the job's, not a bug here
         line = first_line(error)
+        if os.environ.get("RANK", "0") != "0":
+            return 1  # a sharded worker's first rank speaks for its replica
         print(f"adloco: error: replica {config.fault_tolerance.replica} stopped ({_one_line(line)[:300]}); "
               "the same command starts it again and it heals from its peers", file=sys.stderr)  # fmt: skip
         return 1

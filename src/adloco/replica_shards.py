@@ -4,8 +4,9 @@
 The S ranks are one replica: the model sharded over them as ``adloco train shards=S`` shards a worker (FSDP2, each
 rank its share of every step's samples), DiLoCo's exchange and heal per shard over torchft (each rank with the
 ranks that hold the same rows in the other replicas). The first rank speaks for the replica: its run directory,
-records and console lines. Every rank writes its own checkpoint (``checkpoints/shard<k>``), and a replica started
-again goes on from the newest round every one of its shards saved.
+records and console lines, and the evaluation of θ, gathered whole on it alone. Every rank writes its own
+checkpoint (``checkpoints/shard<k>``) at the same rounds, keeping at least two, and a replica started again goes on
+from the newest round every one of its ranks saved.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adloco.algorithms.sharding import local_rows, sharded_like
-from adloco.checkpoint import load_checkpoint, read_manifest, save_checkpoint
+from adloco.algorithms.sharding import local_rows, shard_rows
+from adloco.checkpoint import drop_checkpoints_after, load_checkpoint, read_manifest, save_checkpoint
+from adloco.errors import CheckpointError
 from adloco.sharded_worker import backward_shard, load_local_optimizer_state, local_optimizer_state, sharded_copy
+
+MIN_KEEP = 2  # a crash between two ranks' writes of a round leaves the round before it on every rank
 
 
 class ReplicaShards:
@@ -38,11 +42,12 @@ class ReplicaShards:
 
     @property
     def first(self) -> bool:
-        """The rank that speaks for the replica (its records, its console lines)."""
+        """The rank that speaks for the replica (its records, its console lines, its evaluation)."""
         return self.index == 0
 
     def shard(self, template: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        """``template`` sharded over the replica's ranks, only this rank's rows of it allocated on ``device``."""
+        """``template`` (whole, on the CPU) sharded over the replica's ranks, only this rank's rows of it on
+        ``device``."""
         return sharded_copy(template, self.mesh, device)
 
     def backward(self, loss_of: Callable[[int, int], torch.Tensor], samples: int, b_max: int) -> float:
@@ -59,12 +64,31 @@ class ReplicaShards:
         """``value`` summed over the replica's ranks (the bytes each sent of its rows)."""
         return float(self._sum(torch.tensor([value]))[0])
 
-    def whole(self, model: torch.nn.Module, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The whole tensors of which ``rows`` are this rank's rows (θ, to evaluate or export), on every rank."""
-        return [
-            sharded_like(p, r.to(local_rows(p).device)).full_tensor()
-            for p, r in zip(model.parameters(), rows, strict=True)
-        ]
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any of the replica's ranks (a decision they must take together)."""
+        return self.total(1.0 if flag else 0.0) > 0
+
+    def whole(self, model: torch.nn.Module, rows: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The whole tensors of which ``rows`` are this rank's rows (θ, to evaluate or export) on the first rank,
+        None on the others; every rank takes part. No other rank ever holds them whole."""
+        gathered = [self._gather(p, r) for p, r in zip(model.parameters(), rows, strict=True)]
+        return gathered if self.first else None
+
+    def _gather(self, param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """One tensor's rows from every rank onto the first, padded to the same count for the collective."""
+        total = param.shape[0]
+        chunk = shard_rows(total, 0, self.count)[1]
+        padded = torch.zeros((chunk, *rows.shape[1:]), dtype=rows.dtype, device=self.device)
+        padded[: rows.shape[0]] = rows
+        parts = [torch.empty_like(padded) for _ in range(self.count)] if self.first else None
+        dist.gather(padded, parts, dst=0)
+        if parts is None:
+            return None
+        pieces = [part[: stop - start] for part, (start, stop) in zip(parts, self._layout(total), strict=True)]
+        return torch.cat(pieces).to(rows.device)
+
+    def _layout(self, rows: int) -> list[tuple[int, int]]:
+        return [shard_rows(rows, index, self.count) for index in range(self.count)]
 
     def save(self, directory: Path, round_number: int, keep: int, **state: Any) -> None:
         """This rank's checkpoint of the round: DiLoCo's state (its rows), and its rows of the ``model`` and of the
@@ -74,23 +98,43 @@ class ReplicaShards:
         folder = directory / f"shard{self.index}"
         folder.mkdir(parents=True, exist_ok=True)
         own = {**state, "model": rows, "optimizer": local_optimizer_state(optimizer)}
-        save_checkpoint(folder, round_number, own, keep)
+        save_checkpoint(folder, round_number, own, max(keep, MIN_KEEP))
 
-    def newest(self, directory: Path) -> tuple[Path, dict[str, Any]] | None:
-        """The newest round every rank of the replica saved, read from this rank's folder (None: there is none);
-        a crash between two ranks' writes leaves the round before it."""
+    def restore(
+        self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[Path, dict[str, Any] | None]:
+        """The newest round every rank saved, loaded on every rank into its rows of the model and the inner
+        optimizer (None: there is none); the folder it came from. A checkpoint any rank cannot load is an error
+        on every rank (none goes on alone). Each rank forgets its checkpoints of later rounds, which another rank
+        lacks: the rounds are trained again, and their new checkpoints must not meet the old ones."""
         folder = directory / f"shard{self.index}"
         entries = {int(e["round"]): e for e in read_manifest(folder) if isinstance(e.get("round"), int)}
         every: list[Any] = [None] * self.count
         dist.all_gather_object(every, sorted(entries))
-        common = set.intersection(*(set(rounds) for rounds in every))
-        if not common:
-            return None
-        entry = entries[max(common)]
-        return folder, load_checkpoint(folder / entry["file"], entry.get("sha256"))
+        common = common_round(every)
+        if common is None:
+            return folder, None
+        problem, saved = None, None
+        try:
+            saved = load_checkpoint(folder / entries[common]["file"], entries[common].get("sha256"))
+            self._load(saved, model, optimizer, folder)
+        except CheckpointError as error:
+            problem = str(error)
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:
+            problem = f"the checkpoint in {folder} is another model's ({type(error).__name__}: {error})"
+        problems: list[Any] = [None] * self.count
+        dist.all_gather_object(problems, problem)
+        found = next((p for p in problems if p is not None), None)
+        if found is not None:
+            raise CheckpointError(found.splitlines()[0])
+        drop_checkpoints_after(folder, common)
+        return folder, saved
 
-    def load(self, saved: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """A checkpoint's rows of the model and of the inner optimizer's moments into this rank's."""
+    def _load(
+        self, saved: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
+    ) -> None:
+        if not {"diloco", "model", "optimizer"} <= set(saved):
+            raise CheckpointError(f"the checkpoint in {folder} is not a replica's: it lacks its model or DiLoCo state")
         rows = saved["model"]
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -99,3 +143,9 @@ class ReplicaShards:
 
     def close(self) -> None:
         dist.destroy_process_group()
+
+
+def common_round(rounds_by_rank: Sequence[Sequence[int]]) -> int | None:
+    """The newest round every rank saved a checkpoint of (None: no such round)."""
+    common = set.intersection(*(set(rounds) for rounds in rounds_by_rank)) if rounds_by_rank else set()
+    return max(common) if common else None

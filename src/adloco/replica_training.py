@@ -1,4 +1,5 @@
-"""``adloco train`` as one fault-tolerant replica (``fault_tolerance.lighthouse`` given, no torchrun).
+"""``adloco train`` as one fault-tolerant replica (``fault_tolerance.lighthouse`` given): one process, or with
+``shards=S`` the S ranks of a torchrun job of its own (``adloco.replica_shards``).
 
 This process is worker ``fault_tolerance.replica`` of the job: the run's model, its own sample stream and the
 inner optimizer, in a loop of ``adloco.DiLoCo(fault_tolerance=...)`` (the component a loop of one's own holds).
@@ -41,7 +42,10 @@ from adloco.tasks import Task
 from adloco.training import export_final
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from adloco.replica_shards import ReplicaShards
+    from adloco.trainer import Trainer
 
 log = logging.getLogger("adloco")
 STREAM_SEED_STRIDE = 1_000_003  # worker i's stream seed, as adloco train's workers draw theirs
@@ -82,16 +86,15 @@ def replica_run_dir(config: TrainConfig) -> Path:
 def train_replica(config: TrainConfig, task: Task, tokenizer: Any, console: Console) -> dict[str, Any]:
     """Train this replica to the token budget; the summary of the run (as ``adloco train`` prints it)."""
     run_dir = replica_run_dir(config)
-    device = resolve_device(config)
-    shards = None
-    if config.shards > 1:
-        from adloco.replica_shards import ReplicaShards
-
-        shards = ReplicaShards(config.shards, device, config.fault_tolerance.exchange_timeout_s)
-    lock = lock_run(run_dir) if shards is None or shards.first else None
-    error: BaseException | None = None
+    shards: ReplicaShards | None = None
+    lock, error = None, None
     try:
-        if lock is not None:
+        if config.shards > 1:
+            from adloco.replica_shards import ReplicaShards as Shards
+
+            shards = Shards(config.shards, resolve_device(config), config.comm.timeout_s)
+        if shards is None or shards.first:
+            lock = lock_run(run_dir)
             write_run_config(run_dir, config)
             if not (run_dir / SAVED_DIR).exists():
                 save_tokenizer(tokenizer, run_dir / SAVED_DIR)
@@ -109,9 +112,8 @@ def train_replica(config: TrainConfig, task: Task, tokenizer: Any, console: Cons
 def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, console, shards: ReplicaShards | None) -> dict:
     ft = config.fault_tolerance
     device = resolve_device(config)
-    model = task.build_model(config.seed).to(device)
-    if shards is not None:
-        model = shards.shard(model, device)
+    model = task.build_model(config.seed)  # on the CPU: a sharded worker's rank holds only its rows on the device
+    model = model.to(device) if shards is None else shards.shard(model, device)
     optimizer = _inner_optimizer(model, config, device)
     stream = task.stream(config.seed * STREAM_SEED_STRIDE + ft.replica, worker=ft.replica, workers=ft.replicas)
     started = time.perf_counter()
@@ -159,21 +161,16 @@ def _own_checkpoint(
     """This replica's newest checkpoint (a sharded worker's: the newest round all its ranks saved, each rank its
     own), with the model's and the inner optimizer's state loaded from it; None when it wrote none. DiLoCo's part
     is loaded before its first quorum."""
-    if shards is None:
-        saved = latest_checkpoint(directory)
-    else:
-        found = shards.newest(directory)
-        directory, saved = (directory, None) if found is None else found
+    if shards is not None:
+        return shards.restore(directory, model, optimizer)[1]
+    saved = latest_checkpoint(directory)
     if saved is None:
         return None
     if not {"diloco", "model", "optimizer"} <= set(saved):
         raise CheckpointError(f"the checkpoint in {directory} is not a replica's: it lacks its model or DiLoCo state")
     try:
-        if shards is None:
-            model.load_state_dict(saved["model"])
-            optimizer.load_state_dict(saved["optimizer"])
-        else:
-            shards.load(saved, model, optimizer)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
     except (RuntimeError, ValueError, KeyError) as error:
         raise CheckpointError(f"the checkpoint in {directory} is another model's ({first_line(error)})") from None
     return saved
@@ -234,7 +231,9 @@ class _ReplicaLoop:
         self.stream, self.diloco, self.metrics, self.checkpoints = stream, diloco, metrics, checkpoints
         self.shards = shards  # the ranks of a sharded worker; its first one writes
         self.device = local_rows(next(self.model.parameters())).device
-        self.eval_model = task.build_model(config.seed).to(self.device)  # θ is evaluated apart from the worker
+        # θ is evaluated apart from the worker, by a sharded worker's first rank alone
+        speaks = shards is None or shards.first
+        self.eval_model = task.build_model(config.seed).to(self.device) if speaks else None
         self.val: dict[int, dict[int, float]] = {}  # rounds (from 1) evaluated, by trainer, not yet in a record
         self.b = config.batch.size
         self.per_step = config.fault_tolerance.replicas * self.b * task.context  # tokens per step, all present
@@ -309,11 +308,12 @@ class _ReplicaLoop:
             self.shown = time.monotonic()
             console.print(self._progress(), markup=False, highlight=False, soft_wrap=True)
 
-    def _loss_of(self, data: list[torch.Tensor]):
+    def _loss_of(self, data: list[torch.Tensor]) -> Callable[[int, int], torch.Tensor]:
         return lambda offset, size: self.task.loss(self.model, *(t[offset : offset + size] for t in data))
 
-    def whole_theta(self, trainer) -> list[torch.Tensor]:
-        """``trainer``'s θ whole (a sharded worker's ranks gather their rows: every rank takes part)."""
+    def whole_theta(self, trainer: Trainer) -> list[torch.Tensor] | None:
+        """``trainer``'s θ whole; a sharded worker's ranks all take part in gathering it onto the first, the
+        others get None."""
         rows = [t.detach() for t in trainer.theta]
         return rows if self.shards is None else self.shards.whole(self.model, rows)
 
@@ -329,9 +329,9 @@ class _ReplicaLoop:
         assert replica is not None
         if count % self.config.eval.every == 0 and not replica.healed:  # healed: the peers' round, not in a record
             thetas = {k: self.whole_theta(trainer) for k, trainer in self.diloco.trainers.items()}
-            if self.shards is None or self.shards.first:
+            if self.eval_model is not None:
                 self.val[count] = {k: self.task.evaluate(self.eval_model, theta, blocks).loss
-                                   for k, theta in thetas.items()}  # fmt: skip
+                                   for k, theta in thetas.items() if theta is not None}  # fmt: skip
 
     def _checkpoint_if_due(self) -> None:
         """This replica's state at a round's end (its next quorum formed), every ``checkpoint.every`` rounds or
@@ -340,6 +340,8 @@ class _ReplicaLoop:
         every, minutes = self.config.checkpoint.every, self.config.checkpoint.every_minutes
         count = self.diloco.rounds.count
         late = minutes is not None and time.monotonic() - self.saved_at >= 60 * minutes
+        if self.shards is not None and minutes is not None:  # the ranks of a sharded worker save the same rounds
+            late = self.shards.any(late)
         if count % every and not late:
             return
         keep = self.config.checkpoint.keep

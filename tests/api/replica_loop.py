@@ -59,7 +59,7 @@ def held_out_loss(net: torch.nn.Module) -> float:
         return float(torch.nn.functional.mse_loss(net(x), y))
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--replica", type=int, default=None)
@@ -81,7 +81,11 @@ def main() -> None:
     parser.add_argument("--sync-every", default=str(H), help="H, or auto (from 4, between 2 and 8)")
     parser.add_argument("--shards", type=int, default=1, help="each worker sharded over S torchrun ranks (FSDP2)")
     parser.add_argument("--plain", action="store_true", help="a torchrun rank over the default group instead")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     torch.set_num_threads(1)
     group, shard, part = None, 0, slice(None)
     if args.shards > 1:

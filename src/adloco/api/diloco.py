@@ -107,10 +107,11 @@ class DiLoCo(LoopState):
         self.shards: WorkerShards | None = worker_shards(self.params)  # a worker spanning several ranks (FSDP2)
         sections = {"outer": outer, "streaming": streaming, "codec": codec, "batch": batch, "merge": merge,
                     "sync_auto": sync_auto, "fault_tolerance": fault_tolerance}  # fmt: skip
+        adaptive = method == "adloco" or batch is not None
+        _check_layout(adaptive, trainers, self.shards, process_group)  # before anything connects
         self._connect(method, sync_every, sections, trainers, process_group)
-        self.rounds = LoopRounds(
-            self.config, self.shards
-        )  # their count and H (sync_every="auto": chosen at each round's end)
+        # their count and H (sync_every="auto": chosen at each round's end)
+        self.rounds = LoopRounds(self.config, self.shards)
         self.check_finite = check_finite  # off where a loss scaler already keeps overflowing steps out
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.comm.set_placement({w: w for w in range(self.world_size)})
@@ -118,10 +119,6 @@ class DiLoCo(LoopState):
         if self.replica is None:  # replicas compare their settings when one heals from another
             fingerprint = _fingerprint(self.config, self.workers[self.rank].params, self.shards, check_finite)
             _check_same_job(self.comm, self.rank, fingerprint)
-        adaptive = self.config.method == "adloco" or batch is not None
-        if adaptive and self.shards is not None:
-            raise ValueError("the adaptive batch (method='adloco') takes a model on one rank per worker; a "
-                             "sharded worker's is adloco train's (shards=S) for now")  # fmt: skip
         self._start_trainers(names, outer_optimizer, adaptive)
         self.merges: list[MergeEvent] = []  # the merges of several trainers, as they happened
         self.batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
@@ -156,8 +153,6 @@ class DiLoCo(LoopState):
             self.comm = _communicator(process_group, device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.global_rank = self.rank if self.replica is not None else _global_rank()
-        if trainers > 1 and (self.shards is not None or process_group is not None):
-            raise ValueError("several trainers take a job of one rank per worker over the default process group")
         if self.replica is None:
             self.config = loop_settings(method, sync_every, self.world_size, sections, trainers)
 
@@ -399,6 +394,15 @@ def _communicator(process_group: Any, device: torch.device) -> Communicator:
     if process_group is not None and dist.get_rank(process_group) < 0:
         raise ValueError("this rank is not a member of the process_group given to DiLoCo")
     return DistributedCommunicator.on_group(process_group, device=device)
+
+
+def _check_layout(adaptive: bool, trainers: int, shards: WorkerShards | None, process_group: Any) -> None:
+    """What DiLoCo cannot take on with this job's layout, refused before it connects to anything."""
+    if adaptive and shards is not None:
+        raise ValueError("the adaptive batch (method='adloco') takes a model on one rank per worker; a sharded "
+                         "AdLoCo worker is adloco train's (shards=S, not as a replica) for now")  # fmt: skip
+    if trainers > 1 and (shards is not None or process_group is not None):
+        raise ValueError("several trainers take a job of one rank per worker over the default process group")
 
 
 def _replica_settings(

@@ -73,7 +73,7 @@ class Replica:
         backend = exchange_backend(settings.backend, device)
         host = settings.host or socket.gethostname()
         timeout = timedelta(seconds=settings.exchange_timeout_s)
-        store_port = self._group_store(host)
+        store_host, store_port = self._group_store(host)
         self._load, self._current_round = load, current_round
         self.healed = False
         self.manager = Manager(
@@ -87,7 +87,7 @@ class Replica:
             connect_timeout=timeout,
             rank=0 if shards is None else shards.index,
             world_size=1 if shards is None else shards.count,
-            store_addr=host,
+            store_addr=store_host,
             store_port=store_port,
             lighthouse_addr=settings.lighthouse,
             replica_id=f"adloco_{settings.replica:05d}",  # sorted by id: replica 0 is the first source of θ
@@ -99,22 +99,21 @@ class Replica:
         logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
         transport = device if backend == "nccl" else torch.device("cpu")
         self.comm = ReplicaCommunicator(self.manager, settings.replica, settings.replicas, transport)
-        if shards is not None:
-            self.comm.shards, self.comm.shard = shards.count, shards.index
         self.history: list[RoundFaults] = []
 
-    def _group_store(self, host: str) -> int:
-        """The port of the replica group's own store, which its shard 0 holds (its peers reach it to form the
-        quorum's process group); the other shards of a sharded worker learn it over their shard group."""
+    def _group_store(self, host: str) -> tuple[str, int]:
+        """The address of the replica group's own store, which its shard 0 holds (its peers reach it to form the
+        quorum's process group); the other shards of a sharded worker, on that host or another, learn it over
+        their shard group."""
         self.store = None
         if self.shards is None or self.shards.index == 0:
             self.store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         if self.shards is None:
-            return self.store.port
-        port = torch.tensor([self.store.port if self.store is not None else 0], device=self.shards.device)
+            return host, self.store.port
+        address: list[Any] = [(host, self.store.port) if self.store is not None else None]
         first = torch.distributed.get_global_rank(self.shards.group, 0)
-        torch.distributed.broadcast(port, src=first, group=self.shards.group)
-        return int(port.item())
+        torch.distributed.broadcast_object_list(address, src=first, group=self.shards.group)
+        return address[0]
 
     def _heal(self, state: Any) -> None:
         self._load(state)

@@ -24,7 +24,7 @@ class LoopRounds:
 
     def __init__(self, config: TrainConfig, shards: WorkerShards | None = None) -> None:
         self.fixed = config.first_sync_every
-        self.shards = shards if config.auto_sync else None  # a sharded worker's shards decide H together
+        self.shards = shards  # a sharded worker's shards decide (and record) from the whole worker's figures
         self.auto = auto_sync_every(config)  # None: H stays fixed
         self.count = 0  # rounds ended since the start
         self.last: SyncDecision | None = None  # the last round's H decision (or figures, for a fixed H)

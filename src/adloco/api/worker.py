@@ -40,7 +40,7 @@ class WorkerShards:
         return self._reduce(values, "SUM")
 
     def largest(self, values: Sequence[float]) -> list[float]:
-        """Each of ``values`` at its largest over this worker's shards (NaN where a shard's is)."""
+        """Each of ``values`` at its largest over this worker's shards (the same on every shard)."""
         return self._reduce(values, "MAX")
 
     def _reduce(self, values: Sequence[float], op: str) -> list[float]:

@@ -143,11 +143,13 @@ def main() -> None:
     out = Path(args.out)
     theta = [(p.full_tensor() if args.shards > 1 else p).detach().cpu() for p in net.parameters()]
     loss = held_out_loss(net)  # every shard of a sharded worker takes part in its forward
-    if shard > 0:  # the first rank of a sharded worker writes it whole
+    history = [vars(r) for r in diloco.replica.history] if diloco.replica is not None else []
+    if shard > 0:  # the first rank of a sharded worker writes it whole; the others their rounds' H and decisions
+        decided = [(h["round"], h["sync_every"], h["sync"]) for h in history]
+        (out / f"replica{replica}.shard{shard}.json").write_text(json.dumps(decided))
         torch.distributed.destroy_process_group()
         return
     torch.save(theta, out / f"replica{replica}.pt")
-    history = [vars(r) for r in diloco.replica.history] if diloco.replica is not None else []
     result = {"first_step": first_step, "steps": diloco.inner_step, "rounds": diloco.rounds.count,
               "joined_seconds": joined, "history": history, "loss": loss, "sizes": sizes,
               "merges": [m.to_dict() for m in diloco.merges], "trainers": sorted(diloco.trainers)}  # fmt: skip

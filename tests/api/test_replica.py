@@ -258,7 +258,7 @@ def test_a_sharded_workers_replica_that_loses_a_rank_heals_shard_by_shard_when_s
     workers as 4 torchrun ranks over a 2-D mesh, at a fixed H: checked by hand with ``replica_loop.py --shards 2
     [--plain]``.)"""
     deadline = time.monotonic() + DEADLINE_S
-    flags = ["--replicas", "2", "--steps", "60", "--exchange-timeout", "5", "--overlap", "eager"]
+    flags = ["--replicas", "2", "--steps", "60", "--exchange-timeout", "15", "--overlap", "eager"]
     flags += ["--sync-every", "auto", "--min-replicas", "2"]
     lighthouse, address = _lighthouse(min_replicas=2)
     try:
@@ -282,6 +282,9 @@ def test_a_sharded_workers_replica_that_loses_a_rank_heals_shard_by_shard_when_s
         assert h["participants"] == 2 and h["committed"]
         assert (h["sync_every"], h["sync"]) == (by_round[h["round"]]["sync_every"], by_round[h["round"]]["sync"])
     assert len({h["sync_every"] for h in history}) > 1  # H moved
+    for result, r in ((survived, 0), (rejoined, 1)):  # each replica's second rank decided as its first, every round
+        decided = [[h["round"], h["sync_every"], h["sync"]] for h in result["history"]]
+        assert json.loads((tmp_path / f"replica{r}.shard1.json").read_text()) == decided
     assert _same(_theta(tmp_path, 1), _theta(tmp_path, 0))
 
 

@@ -231,9 +231,9 @@ class _ReplicaLoop:
         self.stream, self.diloco, self.metrics, self.checkpoints = stream, diloco, metrics, checkpoints
         self.shards = shards  # the ranks of a sharded worker; its first one writes
         self.device = local_rows(next(self.model.parameters())).device
-        # θ is evaluated apart from the worker, by a sharded worker's first rank alone
-        speaks = shards is None or shards.first
-        self.eval_model = task.build_model(config.seed).to(self.device) if speaks else None
+        self.speaks = shards is None or shards.first  # a sharded worker's first rank writes and evaluates
+        # θ is evaluated apart from the worker
+        self.eval_model = task.build_model(config.seed).to(self.device) if self.speaks else None
         self.val: dict[int, dict[int, float]] = {}  # rounds (from 1) evaluated, by trainer, not yet in a record
         self.b = config.batch.size
         self.per_step = config.fault_tolerance.replicas * self.b * task.context  # tokens per step, all present
@@ -245,7 +245,7 @@ class _ReplicaLoop:
         self.loss_trainer = diloco.trainer.trainer_id  # the trainer the losses are of
         self.tokens = 0
         # the bytes this replica sent, over its lives: on from its metrics' last round record
-        self.bytes_before = _last_bytes_total(metrics.path) if shards is None or shards.first else 0
+        self.bytes_before = _last_bytes_total(metrics.path) if self.speaks else 0
         self.bytes_recorded = 0  # of diloco.comm.stats.bytes_sent, in the records written
         self.shown = self.saved_at = time.monotonic()
 

@@ -8,7 +8,9 @@ steps (mid-round when N is not a multiple of H); ``--step-seconds`` makes each s
 others are still training when a killed replica comes back; ``--checkpoints`` has the Trainer save every H steps
 and ``--resume`` resumes it from its last checkpoint. At the end it writes θ (``OUT/replica<I>.pt``) and
 ``OUT/replica<I>.json``: the framework's step when training began and at the end (after a heal, the peers'),
-DiLoCo's step when training began, the last learning rate, and the rounds' records.
+DiLoCo's step when training began, the last learning rate (and the Trainer's epoch), the rounds' records, and
+the windows a replica that never stopped reads at each step (its framework's own data order, epoch by epoch).
+Every step it trains, each life of the replica appends the step and the windows it read to ``OUT/reads<I>.jsonl``.
 """
 
 import argparse
@@ -31,12 +33,36 @@ class Shard(torch.utils.data.Dataset):
 
     def __init__(self, replica: int) -> None:
         self.rows = Windows(48 * REPLICAS).rows[replica::REPLICAS]
+        self.index = {tuple(row.tolist()): i for i, row in enumerate(self.rows)}
+
+    def indices(self, input_ids: torch.Tensor) -> list[int]:
+        return [self.index[tuple(row.tolist())] for row in input_ids]
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> dict:
         return {"input_ids": self.rows[index], "labels": self.rows[index]}
+
+
+class Reads:
+    """Appends each step a replica trains and the windows it read to ``reads<I>.jsonl`` (kept when it is killed)."""
+
+    def __init__(self, out: Path, replica: int) -> None:
+        self.path, self.shard = out / f"reads{replica}.jsonl", Shard(replica)
+
+    def record(self, step: int, input_ids: torch.Tensor) -> None:
+        with self.path.open("a") as file:
+            file.write(json.dumps({"step": step, "windows": self.shard.indices(input_ids)}) + "\n")
+
+
+def _by_step(loader: torch.utils.data.DataLoader, shard: Shard, set_epoch) -> list[list[int]]:
+    """The windows of each step of STEPS, epoch after epoch, each epoch's order set as its framework sets it."""
+    steps: list[list[int]] = []
+    for epoch in range(-(-STEPS // len(loader))):
+        set_epoch(epoch)
+        steps += [shard.indices(batch["input_ids"]) for batch in loader]
+    return steps[:STEPS]
 
 
 class Fate:
@@ -71,19 +97,28 @@ def run_hf(replica: int, ft: dict, fate: Fate, out: Path, checkpoints: bool = Fa
         use_cpu=True, report_to=[], logging_strategy="no", save_strategy="steps" if checkpoints else "no",
         save_steps=SYNC_EVERY, disable_tqdm=True, seed=0, dataloader_num_workers=0,
     )  # fmt: skip
+    reads = Reads(out, replica)
+
+    class Recording(Trainer):
+        def training_step(self, model, inputs, *rest, **kwargs):
+            reads.record(self.state.global_step + 1, inputs["input_ids"])
+            return super().training_step(model, inputs, *rest, **kwargs)
+
     resumed = Resumed()
-    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Shard(replica), callbacks=[resumed])
+    trainer = Recording(model=tiny_llama(), args=args, train_dataset=Shard(replica), callbacks=[resumed])
     callback = use_diloco(trainer, sync_every=SYNC_EVERY, fault_tolerance=ft)
     watch = Watch()
     trainer.add_callback(watch)  # after DiLoCo's: it sees the Trainer's step once a heal moved it
     trainer.train(resume_from_checkpoint=True if resume else None)
     lr = trainer.lr_scheduler.get_last_lr()[0]
     result = _result(trainer.model, callback.diloco, watch.start, trainer.state.global_step, lr)
-    return {**result, "resumed_at": resumed.at}
+    fresh = trainer.get_train_dataloader()  # the Trainer's own data order, seeded and set epoch by epoch
+    expected = _by_step(fresh, reads.shard, fresh.set_epoch)
+    return {**result, "resumed_at": resumed.at, "epoch": trainer.state.epoch, "expected": expected}
 
 
 def run_lightning(replica: int, ft: dict, fate: Fate, out: Path) -> dict:
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, DistributedSampler
 
     from adloco.integrations.lightning import DiLoCoCallback, pl
 
@@ -93,6 +128,7 @@ def run_lightning(replica: int, ft: dict, fate: Fate, out: Path) -> dict:
             self.model = tiny_llama()
 
         def training_step(self, batch: dict, index: int) -> torch.Tensor:
+            reads.record(self.trainer.global_step + 1, batch["input_ids"])
             return self.model(**batch).loss
 
         def configure_optimizers(self):
@@ -107,14 +143,21 @@ def run_lightning(replica: int, ft: dict, fate: Fate, out: Path) -> dict:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, index) -> None:
             fate.step()
 
+    reads = Reads(out, replica)
     callback, watch = DiLoCoCallback(sync_every=SYNC_EVERY, fault_tolerance=ft), Watch()
     quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, enable_checkpointing=False,
                          callbacks=[callback, watch], **quiet)  # fmt: skip
     module = Module()
-    trainer.fit(module, DataLoader(Shard(replica), batch_size=2, shuffle=True))
+
+    def loader() -> DataLoader:  # an order drawn from the epoch: one a replica started again can follow
+        return DataLoader(reads.shard, batch_size=2, sampler=DistributedSampler(reads.shard, 1, 0, seed=0))
+
+    trainer.fit(module, loader())
     lr = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
-    return _result(module.model, callback.diloco, watch.start, trainer.global_step, lr)
+    result = _result(module.model, callback.diloco, watch.start, trainer.global_step, lr)
+    fresh = loader()
+    return {**result, "expected": _by_step(fresh, reads.shard, fresh.sampler.set_epoch)}
 
 
 def _result(model: torch.nn.Module, diloco, start: tuple[int, int], steps: int, lr: float) -> dict:

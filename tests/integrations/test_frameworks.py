@@ -85,7 +85,8 @@ def test_framework_replicas_killed_mid_round_heal_and_follow_the_jobs_step_and_s
     """Three replicas of one job: replica 0 an HF Trainer that survives; replica 1 a Lightning fit and replica 2 a
     Trainer, each SIGKILLed mid-round and started again (the Trainer resumed from its last checkpoint). A
     restarted one heals from a peer, its framework's step and learning-rate schedule move to the peers' step, it
-    ends with them (max_steps) and on their θ, bit for bit."""
+    ends with them (max_steps) and on their θ, bit for bit; and in both lives it reads at each step the windows a
+    replica that never stopped reads there (its framework's order, epoch by epoch): none twice."""
     deadline = time.monotonic() + DEADLINE_S
     frameworks = {0: "hf", 1: "lightning", 2: "hf"}
     slow = ["--step-seconds", "0.15"]
@@ -114,7 +115,14 @@ def test_framework_replicas_killed_mid_round_heal_and_follow_the_jobs_step_and_s
     # the Trainer resumed at its last checkpoint (a multiple of H before it died), then healed from the peers
     assert 0 < results[2]["resumed_at"] < results[2]["start"][1] and results[2]["resumed_at"] % sync_every == 0
     assert results[2]["lr"] == results[0]["lr"]  # the Trainer's linear schedule, at max_steps on both
+    assert results[2]["epoch"] == results[0]["epoch"]  # and its epoch: the job's, not counted from its loop's start
     assert results[1]["lr"] == pytest.approx(replica_run.LR * (1 - steps / (2 * steps)))  # Lightning's, at its end
+    for r in (1, 2):
+        reads = [json.loads(line) for line in (tmp_path / f"reads{r}.jsonl").read_text().splitlines()]
+        taken = [read["step"] for read in reads]
+        assert taken == sorted(set(taken)) and taken[-1] == steps
+        assert results[r]["start"][1] + 1 in taken[1:]  # its second life went on from the job's step
+        assert all(read["windows"] == results[r]["expected"][read["step"] - 1] for read in reads)
 
 
 def _framework_replica(out: Path, replica: int, framework: str, lighthouse: str, *flags: str) -> subprocess.Popen:

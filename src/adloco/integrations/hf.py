@@ -11,8 +11,10 @@ turns it off.
 As a fault-tolerant replica (``fault_tolerance=...``), each replica is a Trainer of its own in a plain process (not
 torchrun), reading its own dataset. A replica that starts while the others train heals from one of them and takes
 their step: the callback moves the Trainer's ``global_step`` and learning-rate schedule forward to it, so
-``max_steps``, the schedule and the save steps follow the job's step. One resumed from the Trainer's checkpoint
-starts from its own state there and heals only from peers further on.
+``max_steps``, the schedule and the save steps follow the job's step; and its data: it reads on from the epoch and
+batch where a replica that never stopped reads at that step (in that epoch's order, which the Trainer's sampler
+draws from its seed and the epoch). One resumed from the Trainer's checkpoint starts from its own state there and
+heals only from peers further on.
 """
 
 from __future__ import annotations
@@ -23,10 +25,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import has_length
 
 from adloco.api import DiLoCo
 from adloco.integrations.ddp import keep_gradients_local
-from adloco.integrations.replicas import advance_schedules, check_replica_launch, is_replica, steps_behind
+from adloco.integrations.replicas import (
+    advance_schedules,
+    check_replica_launch,
+    data_position,
+    is_replica,
+    shift_sampler_epochs,
+    skip_batches,
+    steps_behind,
+    steps_per_epoch,
+)
 
 STATE_FILE = "adloco_diloco_rank{rank}.pt"  # in each of the Trainer's checkpoint folders, one per rank
 
@@ -45,6 +57,7 @@ class DiLoCoCallback(TrainerCallback):
         self.settings = {"sync_every": sync_every, "method": method, **settings}
         self.diloco: DiLoCo | None = None
         self.inner: torch.optim.Optimizer | None = None
+        self._data_moved: _DataMoved | None = None  # where a heal at the start moved the Trainer's data
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model=None, optimizer=None, **kwargs: Any) -> None:
         processes = self.trainer.accelerator.num_processes
@@ -62,7 +75,10 @@ class DiLoCoCallback(TrainerCallback):
         if mine is not None and not replica:
             model.load_state_dict(mine["model"])  # DiLoCo's start gave every rank θ: each takes its own model back
             self.diloco.load_state_dict(mine["diloco"])
+        began = state.global_step
         self._follow_heal(state, control)
+        if state.global_step > began and kwargs.get("train_dataloader") is not None:
+            self._data_moved = _DataMoved.to_step(kwargs["train_dataloader"], began, state.global_step, args)
 
     def _saved(self, folder: Path) -> dict[str, Any]:
         """This rank's state beside the Trainer's checkpoint, its inner optimizer loaded from it (the Trainer
@@ -88,8 +104,18 @@ class DiLoCoCallback(TrainerCallback):
         assert self.diloco is not None
         self.diloco.step()
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._data_moved is not None and self._data_moved.skipped is not None:
+            self._data_moved.skipped.batches = 0  # the skip is behind it: the next epochs read from their start
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._data_moved is not None:  # the Trainer counts epochs from where its loop began, not the job's
+            state.epoch += self._data_moved.epochs_ahead
         self._follow_heal(state, control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._data_moved is not None:
+            self._data_moved.epoch_ended(args)
 
     def _follow_heal(self, state: Any, control: Any) -> None:
         """A replica that healed from a peer goes on from the peers' step: the Trainer's too, with its schedule."""
@@ -111,6 +137,36 @@ class DiLoCoCallback(TrainerCallback):
         if self.diloco is not None:
             # the model is θ for trainer.save_model and evaluation, unless the Trainer just loaded its best checkpoint
             self.diloco.finish(into_model=not args.load_best_model_at_end)
+
+
+class _DataMoved:
+    """The Trainer's data moved to where a replica that never stopped reads at the job's step, after a heal at
+    training's start: its sampler's epochs shifted by the epochs between the Trainer's first epoch (its own step's,
+    after a resume) and the job's, and the job's epoch entered ``batches`` batches in."""
+
+    def __init__(self, skipped: Any, shift: int, fraction: float, ignore_data_skip: bool) -> None:
+        self.skipped, self.shift, self.epochs_ahead = skipped, shift, shift + fraction
+        self.ignore_data_skip = ignore_data_skip  # the user's, put back after the first epoch
+
+    @classmethod
+    def to_step(cls, loader: Any, began: int, step: int, args: Any) -> _DataMoved:
+        accumulation = args.gradient_accumulation_steps
+        batches = len(loader) if has_length(loader) else None
+        per_epoch = steps_per_epoch(batches, accumulation) if batches else args.max_steps
+        epoch, into = data_position(step, per_epoch, accumulation)
+        shift = epoch - began // per_epoch
+        base = getattr(loader, "base_dataloader", loader)  # accelerate's adapter iterates the DataLoader it holds
+        skipped = skip_batches(base, into, "Trainer")
+        if skipped is not None:
+            shift_sampler_epochs(getattr(skipped.batch_sampler, "sampler", None), shift)
+        moved = cls(skipped, shift, into / batches if batches else 0.0, args.ignore_data_skip)
+        if began > 0:  # resumed: the Trainer would enter its first epoch at its checkpoint's batch, behind the job's
+            args.ignore_data_skip = True
+        return moved
+
+    def epoch_ended(self, args: Any) -> None:
+        self.epochs_ahead = self.shift
+        args.ignore_data_skip = self.ignore_data_skip
 
 
 def use_diloco(trainer: Trainer, sync_every: int | str = 10, method: str = "diloco", **settings: Any) -> DiLoCoCallback:

@@ -14,18 +14,31 @@ per rank), and a fit resumed from it (``ckpt_path``) gives every rank its own ba
 As a fault-tolerant replica (``fault_tolerance=...``), each replica is a fit of its own on one device in a plain
 process (not torchrun), reading its own data. A replica that starts while the others train heals from one of them
 and takes their step: the callback moves Lightning's ``global_step`` and its per-step learning-rate schedules
-forward to it, so ``max_steps`` and the schedule follow the job's step.
+forward to it, so ``max_steps`` and the schedule follow the job's step; and its data: Lightning's epoch becomes the
+job's, and the fit reads on from the batch of it where a replica that never stopped reads at that step (in that
+epoch's order where its sampler draws the order from the epoch, as ``DistributedSampler`` does).
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any
 
 import torch
 
 from adloco.api import DiLoCo
 from adloco.integrations.ddp import keep_gradients_local
-from adloco.integrations.replicas import advance_schedules, check_replica_launch, is_replica, steps_behind
+from adloco.integrations.replicas import (
+    SkippedBatches,
+    advance_schedules,
+    check_replica_launch,
+    data_position,
+    is_replica,
+    skip_batches,
+    steps_behind,
+    steps_per_epoch,
+)
 
 try:
     import lightning.pytorch as pl
@@ -42,6 +55,7 @@ class DiLoCoCallback(pl.Callback):
         self.settings = {"sync_every": sync_every, "method": method, **settings}
         self.diloco: DiLoCo | None = None
         self._resumed: dict[str, Any] | None = None  # this rank's state from the checkpoint a fit resumes from
+        self._skipped: SkippedBatches | None = None  # the batches a heal at the start skipped, until one is trained
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if len(trainer.optimizers) != 1:
@@ -64,8 +78,14 @@ class DiLoCoCallback(pl.Callback):
         if mine is not None and not replica:
             pl_module.load_state_dict(mine["model"])  # DiLoCo's start gave every rank θ: each takes its own back
             self.diloco.load_state_dict(mine["diloco"])
-        self._resumed = None
+        self._resumed, began = None, trainer.global_step
         _follow_heal(trainer, self.diloco)
+        if trainer.global_step > began and mine is None:  # a fit resumed mid-epoch reads on as Lightning resumes it
+            self._skipped = _read_on_from(trainer, trainer.global_step)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._skipped is not None:
+            self._skipped.batches, self._skipped = 0, None  # the skip is behind it: later epochs read from their start
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         if self.diloco is None:
@@ -116,6 +136,30 @@ def _follow_heal(trainer: Any, diloco: DiLoCo | None) -> None:
     epoch_loop._batches_that_stepped += behind
     per_step = [c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step" and c.frequency == 1]
     advance_schedules(per_step, behind)
+
+
+def _read_on_from(trainer: Any, step: int) -> SkippedBatches | None:
+    """After a heal at the fit's start: Lightning's epoch is the job's at ``step``, and its data goes on from the
+    batch where a replica that never stopped reads there (None where it cannot skip: it reads from the start)."""
+    loader, accumulation = trainer.train_dataloader, trainer.accumulate_grad_batches
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        warnings.warn(f"this replica healed at step {step}, and its data ({type(loader).__name__}, not one "
+                      "DataLoader) cannot skip to it: it reads its data from the start", stacklevel=2)  # fmt: skip
+        return None
+    batches = trainer.num_training_batches
+    per_epoch = steps_per_epoch(batches, accumulation) if math.isfinite(batches) else step + 1
+    epoch, into = data_position(step, per_epoch, accumulation)
+    skipped = skip_batches(loader, into, "Lightning fit")
+    if skipped is None:
+        return None
+    progress = trainer.fit_loop.epoch_progress
+    for counts in (progress.current, progress.total):
+        counts.ready = counts.started = counts.processed = counts.completed = epoch
+    sampler = getattr(loader, "sampler", None)
+    if callable(getattr(sampler, "set_epoch", None)):
+        sampler.set_epoch(epoch)
+    iter(trainer.fit_loop._data_fetcher)  # Lightning began its pass before this hook, with the batch sampler's old self
+    return skipped
 
 
 def _on_cpu(value: Any) -> Any:

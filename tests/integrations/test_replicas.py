@@ -1,0 +1,48 @@
+"""A framework replica's data after a heal: skipped by index, nothing loaded; refused with a warning where it
+cannot be (an iterable dataset)."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from adloco.integrations.replicas import data_position, skip_batches, steps_per_epoch
+
+
+class Counted(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.loaded: list[int] = []
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> int:
+        self.loaded.append(index)
+        return index
+
+
+def test_a_loader_skips_its_first_batches_by_index_in_every_pass_until_one_is_trained():
+    dataset = Counted()
+    loader = DataLoader(dataset, batch_size=2)
+    skipped = skip_batches(loader, 3, "test")
+    assert [b.tolist() for b in loader] == [[6, 7], [8, 9]]
+    assert dataset.loaded == [6, 7, 8, 9]  # the skipped batches' samples were never loaded
+    assert len(loader) == 5 and [b.tolist() for b in loader] == [[6, 7], [8, 9]]  # a pass begun again skips too
+    skipped.batches = 0
+    assert [b.tolist() for b in loader][0] == [0, 1]
+
+
+def test_a_position_counts_the_short_last_step_of_an_epoch():
+    per_epoch = steps_per_epoch(batches=7, accumulation=2)  # 2+2+2+1
+    assert per_epoch == 4
+    assert data_position(9, per_epoch, accumulation=2) == (2, 2)
+
+
+def test_an_iterable_dataset_cannot_skip_and_says_so():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    loader = DataLoader(Stream(), batch_size=2)
+    with pytest.warns(UserWarning, match="reads its data from the start"):
+        assert skip_batches(loader, 3, "Trainer") is None
+    assert next(iter(loader)).tolist() == [0, 1]

@@ -311,9 +311,6 @@ class TrainConfig(BaseModel):
             raise ValueError("fault_tolerance: several trainers as replicas run DiLoCo, LocalSGD or AdLoCo "
                              f"without outer.overlap for now (method={self.method}, outer.overlap="
                              f"{self.outer.overlap})")  # fmt: skip
-        if several and self.sync_every == "auto":
-            raise ValueError("fault_tolerance: several trainers as replicas take a fixed sync_every for now "
-                             "(sync_every=auto with several trainers is untested there)")  # fmt: skip
         if several and ft.replicas % self.trainers:
             raise ValueError(f"fault_tolerance.replicas: {ft.replicas} replicas do not split into {self.trainers} "
                              "trainers of as many workers")  # fmt: skip

@@ -30,6 +30,7 @@ _METHOD_FLAGS = {
     "streaming": ["--method", "streaming"],  # 2 fragments, τ = 1
     "eager": ["--overlap", "eager"],  # outer.overlap: Δ in flight for a round, each worker's own share at once
     "trainers": ["--method", "adloco", "--trainers", "3"],  # a trainer per replica, 2 merging every 2 rounds
+    "trainers-auto": ["--method", "adloco", "--trainers", "3", "--sync-every", "auto"],  # H from 4, within 2..8
 }
 DEVICE = ["--device", os.environ.get("ADLOCO_TEST_DEVICE", "cpu"), "--backend", "gloo"]
 
@@ -66,7 +67,6 @@ def test_slots_carry_each_present_row_bit_for_bit_and_mark_the_absent():
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "method=ddp"], "streaming or AdLoCo"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=3", "trainers=2"], "do not split into 2 trainers"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "trainers=2", "method=streaming"], "for now"),
-        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "trainers=2", "sync_every=auto"], "fixed"),
     ],
 )
 def test_bad_fault_tolerance_settings_are_one_line_errors(overrides, fragment):
@@ -193,20 +193,21 @@ def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path,
 
 @needs_torchft
 # DiLoCo's: the frameworks' test; AdLoCo's of one trainer: the trainers' after their merges (b grows throughout);
-# eager outer updates: the sharded workers' below
-@pytest.mark.parametrize("method", ["streaming", "trainers"])
+# eager outer updates: the sharded workers' below; several trainers at a fixed H: the torchrun loop's, above
+@pytest.mark.parametrize("method", ["streaming", "trainers-auto"])
 def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_peer(tmp_path, method):
     """Streaming: the replica dies between its round's two fragment exchanges (steps 2 and 4 of each round) and
     rejoins at a round's start with fragment 0's exchange of the round before still to apply (τ = 1). AdLoCo: the
     batch grows while it is away, and it heals with the batch its peers reached. Several trainers (one per
     replica): replica 2's trainer, none of whose workers is there, takes no outer step and merges on schedule with
-    the θ it has; the replica started again heals into the merged trainer."""
+    the θ it has; the replica started again heals into the merged trainer. With ``sync_every=auto`` every replica
+    chooses every round's H alike, the one started again too from the rule's state it healed with."""
     deadline = time.monotonic() + DEADLINE_S
     steps = ["--steps", "120", "--min-replicas", "2", "--step-seconds", "0.1", *_METHOD_FLAGS[method]]
     lighthouse, address = _lighthouse(min_replicas=2)
     try:
         survivors = [_replica(tmp_path, r, address, *steps) for r in (0, 1)]
-        doomed = _replica(tmp_path, 2, address, *steps, "--die-after", "6")  # a round starts every 4 steps
+        doomed = _replica(tmp_path, 2, address, *steps, "--die-after", "6")  # mid-round: rounds start at 0 and 4
         assert _finish([doomed], deadline) == [-9]
         back = _replica(tmp_path, 2, address, *steps)
         assert _finish([*survivors, back], deadline) == [0, 0, 0]
@@ -214,29 +215,43 @@ def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_p
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
     results = [json.loads((tmp_path / f"replica{r}.json").read_text()) for r in range(3)]
-    assert all(r["steps"] == 120 and r["rounds"] == 30 for r in results)
+    rounds = results[0]["rounds"]
+    assert all(r["steps"] == 120 and r["rounds"] == rounds for r in results)
+    assert rounds == 30 or method == "trainers-auto"
+    starts = _round_starts(results[0])  # each round's first step, by round
     # the survivors never restarted: each ran every round from the one it joined at (the first quorum may form
     # before all three ask), one or more of them without replica 2
     for survivor in results[:2]:
-        assert len(survivor["history"]) == 30 - survivor["first_step"] // 4
+        assert [h["round"] for h in survivor["history"]] == list(range(survivor["history"][0]["round"], rounds))
+        assert _round_starts(survivor).items() <= starts.items()  # the same H every round
         assert any(h["absent"] == [2] and h["committed"] for h in survivor["history"])
         dropped = [h["round"] for h in survivor["history"] if not h["committed"]]  # a failed exchange is not redone
-        assert len(dropped) <= 1 and all(n >= 6 // 4 for n in dropped)  # at most the round replica 2 died in
-    # the replica started again healed at a round's start and went on from the peers' step
+        assert len(dropped) <= 1 and all(n >= 1 for n in dropped)  # at most the round replica 2 died in
+    # the replica started again healed at a round's start and went on from the peers' step, at their H
     rejoined = results[2]
-    assert rejoined["first_step"] > 6 and rejoined["first_step"] % 4 == 0
     first = rejoined["history"][0]
-    assert first["healed"] and first["round"] == rejoined["first_step"] // 4 and rejoined["joined_seconds"] < 30
+    assert rejoined["first_step"] > 6 and starts[first["round"]] == rejoined["first_step"]
+    assert first["healed"] and rejoined["joined_seconds"] < 30 and _round_starts(rejoined).items() <= starts.items()
     # from there on it trained with them: all three end on the same θ
     assert _same(_theta(tmp_path, 2), _theta(tmp_path, 0)) and _same(_theta(tmp_path, 1), _theta(tmp_path, 0))
-    if method == "trainers":  # trainer 2 merged into the others' in a round none of its workers was in
+    if method == "trainers-auto":  # trainer 2 merged into the others' in a round none of its workers was in
         merge = next(m for m in results[0]["merges"] if 2 in m["merged"])
         assert merge["round"] - 1 in {h["round"] for h in results[0]["history"] if h["absent"] == [2]}
         assert all(r["trainers"] == [0] for r in results)  # one trainer left, replica 2's worker in it
-    if method == "trainers":  # each round's b, alike on every replica from the round the rejoined one came back at
+        # each round's b, alike on every replica from the round the rejoined one came back at
         sizes = [r["sizes"] for r in results]
         assert sizes[2] == sizes[0][-len(sizes[2]) :] == sizes[1][-len(sizes[2]) :]
         assert sizes[2][0] > sizes[0][0]  # b had grown while it was away
+        assert len({h["sync_every"] for h in results[0]["history"]}) > 1  # H chosen: it moved
+
+
+def _round_starts(result: dict) -> dict[int, int]:
+    """Each round of a replica's records, and the inner step it began at (the rounds' H added up from its first)."""
+    starts, step = {}, result["first_step"]
+    for record in result["history"]:
+        starts[record["round"]] = step
+        step += record["sync_every"]
+    return starts
 
 
 def _sharded_replica(out: Path, replica: int, lighthouse: str, *flags: str) -> subprocess.Popen:

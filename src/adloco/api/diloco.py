@@ -419,9 +419,9 @@ def _replica_settings(
         raise ValueError("a fault-tolerant replica is one worker: no process_group (the replicas exchange over "
                          "torchft's); a sharded worker's replica is its shard group's ranks")  # fmt: skip
     overlap = (sections["outer"] or {}).get("overlap", "none")
-    if trainers > 1 and (method not in ("diloco", "localsgd", "adloco") or overlap != "none" or sync_every == "auto"):
+    if trainers > 1 and (method not in ("diloco", "localsgd", "adloco") or overlap != "none"):
         raise ValueError("several trainers as fault-tolerant replicas: DiLoCo, LocalSGD or AdLoCo without "
-                         "outer.overlap, at a fixed sync_every, for now")  # fmt: skip
+                         "outer.overlap, for now")  # fmt: skip
     replicas = sections["fault_tolerance"].get("replicas")
     world = replicas if isinstance(replicas, int) and replicas > 0 else 1
     return loop_settings(method, sync_every, world, sections, trainers)

@@ -77,7 +77,7 @@ def test_bad_fault_tolerance_settings_are_one_line_errors(overrides, fragment):
 def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
     ft = {"lighthouse": "http://127.0.0.1:1", "replica": 0, "replicas": 2}
     model = torch.nn.Linear(2, 1)
-    with pytest.raises(ValueError, match="without outer.overlap, at a fixed sync_every, for now"):
+    with pytest.raises(ValueError, match="AdLoCo without outer.overlap, for now"):
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=ft, trainers=2, method="streaming")
     replica = [
         "fault_tolerance.lighthouse=http://127.0.0.1:1",
@@ -158,24 +158,25 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 @needs_torchft
 # DiLoCo's: test_replica_training's; AdLoCo's of one trainer: the trainers' after their merges, and adloco train's;
-# streaming's: adloco train's replicas of sharded workers (against the plain run, to the order of float additions)
-@pytest.mark.parametrize("method", ["trainers"])
+# streaming's: adloco train's replicas of sharded workers (against the plain run, to the order of float additions);
+# several trainers at a fixed H: adloco train's replicas (test_replica_training)
+@pytest.mark.parametrize("method", ["trainers-auto"])
 def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path, method):
     """Each replica ends on its torchrun rank's θ, bit for bit. Several trainers: a replica steps every trainer
     itself from the exchange's rows, where a torchrun rank takes the others' θ from their lead ranks; after the
-    merge at round 2, replicas 0 and 1 share a trainer and replica 2 keeps its own."""
+    merge at round 2, replicas 0 and 1 share a trainer and replica 2 keeps its own. Every round's H (auto, from
+    AdLoCo's pinned costs: 4, 8, 8) is the torchrun loop's."""
     plain, ft = tmp_path / "plain", tmp_path / "ft"
     plain.mkdir(), ft.mkdir()
     deadline = time.monotonic() + DEADLINE_S
+    steps = ["--steps", "20"]  # 3 rounds
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--master_addr=127.0.0.1"]
-    torchrun += [f"--master_port={_free_port()}", str(LOOP), str(plain), "--plain", "--steps", "12", *DEVICE]
+    torchrun += [f"--master_port={_free_port()}", str(LOOP), str(plain), "--plain", *steps, *DEVICE]
     torchrun += _METHOD_FLAGS[method]
     subprocess.run(torchrun, env=_env(), check=True, capture_output=True, timeout=DEADLINE_S)
     lighthouse, address = _lighthouse(min_replicas=3)  # every replica at the first round, as torchrun has them
     try:
-        procs = [
-            _replica(ft, r, address, "--steps", "12", "--min-replicas", "3", *_METHOD_FLAGS[method]) for r in range(3)
-        ]
+        procs = [_replica(ft, r, address, *steps, "--min-replicas", "3", *_METHOD_FLAGS[method]) for r in range(3)]
         assert _finish(procs, deadline) == [0, 0, 0]
     finally:
         lighthouse.terminate()
@@ -187,8 +188,8 @@ def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path,
         history = result["history"]
         assert [h["participants"] for h in history] == [3] * 3 and all(h["committed"] for h in history)
         assert not any(h["diverged"] for h in history)  # every θ digest alike at every exchange
-    alike = all(_same(_theta(plain, r), _theta(plain, 0)) for r in range(3))
-    assert alike == (method != "trainers")  # replica 2's trainer not yet merged into the others'
+        assert [h["sync_every"] for h in history] == [4, 8, 8]
+    assert not _same(_theta(plain, 2), _theta(plain, 0))  # replica 2's trainer not yet merged into the others'
 
 
 @needs_torchft
@@ -217,8 +218,9 @@ def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_p
     results = [json.loads((tmp_path / f"replica{r}.json").read_text()) for r in range(3)]
     rounds = results[0]["rounds"]
     assert all(r["steps"] == 120 and r["rounds"] == rounds for r in results)
-    assert rounds == 30 or method == "trainers-auto"
     starts = _round_starts(results[0])  # each round's first step, by round
+    assert starts[rounds - 1] + results[0]["history"][-1]["sync_every"] == 120  # the rounds add up to the steps
+    assert method == "trainers-auto" or starts == {n: 4 * n for n in starts}  # streaming's H = 4
     # the survivors never restarted: each ran every round from the one it joined at (the first quorum may form
     # before all three ask), one or more of them without replica 2
     for survivor in results[:2]:

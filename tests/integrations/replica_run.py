@@ -26,13 +26,17 @@ from adloco.integrations.hf import use_diloco
 from tests.integrations.hf_trainer_run import Windows, tiny_llama
 
 STEPS, SYNC_EVERY, REPLICAS, LR = 120, 4, 3, 1e-3
+# a replica's windows: 13 batches of 2 an epoch, so a heal at a round's start (a multiple of H = 4 steps) lands past
+# the first epoch and within an epoch but at steps 52 and 104 (the Trainer: 13 steps an epoch) or 28, 56, 84 and 112
+# (Lightning, accumulating 2 batches a step: 7 steps an epoch, the last of one batch)
+WINDOWS, ACCUMULATE = 26, 2
 
 
 class Shard(torch.utils.data.Dataset):
     """Replica ``replica``'s windows: every REPLICAS-th one of the corpus."""
 
     def __init__(self, replica: int) -> None:
-        self.rows = Windows(48 * REPLICAS).rows[replica::REPLICAS]
+        self.rows = Windows(WINDOWS * REPLICAS).rows[replica::REPLICAS]
         self.index = {tuple(row.tolist()): i for i, row in enumerate(self.rows)}
 
     def indices(self, input_ids: torch.Tensor) -> list[int]:
@@ -51,17 +55,19 @@ class Reads:
     def __init__(self, out: Path, replica: int) -> None:
         self.path, self.shard = out / f"reads{replica}.jsonl", Shard(replica)
 
-    def record(self, step: int, input_ids: torch.Tensor) -> None:
+    def record(self, step: int, input_ids: torch.Tensor) -> None:  # each batch: a step's (or a part of it)
         with self.path.open("a") as file:
             file.write(json.dumps({"step": step, "windows": self.shard.indices(input_ids)}) + "\n")
 
 
-def _by_step(loader: torch.utils.data.DataLoader, shard: Shard, set_epoch) -> list[list[int]]:
-    """The windows of each step of STEPS, epoch after epoch, each epoch's order set as its framework sets it."""
+def _by_step(loader: torch.utils.data.DataLoader, shard: Shard, set_epoch, accumulate: int = 1) -> list[list[int]]:
+    """The windows of each step of STEPS, epoch after epoch, each epoch's order set as its framework sets it, and
+    ``accumulate`` batches to a step (an epoch's last step takes those left)."""
     steps: list[list[int]] = []
-    for epoch in range(-(-STEPS // len(loader))):
+    for epoch in range(-(-STEPS // -(-len(loader) // accumulate))):
         set_epoch(epoch)
-        steps += [shard.indices(batch["input_ids"]) for batch in loader]
+        batches = [shard.indices(batch["input_ids"]) for batch in loader]
+        steps += [sum(batches[i : i + accumulate], []) for i in range(0, len(batches), accumulate)]
     return steps[:STEPS]
 
 
@@ -139,15 +145,18 @@ def run_lightning(replica: int, ft: dict, fate: Fate, out: Path) -> dict:
     class Watch(pl.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
             self.start = (trainer.global_step, callback.diloco.inner_step)
+            self.step = trainer.global_step
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, index) -> None:
-            fate.step()
+            if trainer.global_step != self.step:  # an optimizer step ended with this batch
+                self.step = trainer.global_step
+                fate.step()
 
     reads = Reads(out, replica)
     callback, watch = DiLoCoCallback(sync_every=SYNC_EVERY, fault_tolerance=ft), Watch()
     quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, enable_checkpointing=False,
-                         callbacks=[callback, watch], **quiet)  # fmt: skip
+                         accumulate_grad_batches=ACCUMULATE, callbacks=[callback, watch], **quiet)  # fmt: skip
     module = Module()
 
     def loader() -> DataLoader:  # an order drawn from the epoch: one a replica started again can follow
@@ -157,7 +166,7 @@ def run_lightning(replica: int, ft: dict, fate: Fate, out: Path) -> dict:
     lr = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
     result = _result(module.model, callback.diloco, watch.start, trainer.global_step, lr)
     fresh = loader()
-    return {**result, "expected": _by_step(fresh, reads.shard, fresh.sampler.set_epoch)}
+    return {**result, "expected": _by_step(fresh, reads.shard, fresh.sampler.set_epoch, ACCUMULATE)}
 
 
 def _result(model: torch.nn.Module, diloco, start: tuple[int, int], steps: int, lr: float) -> dict:

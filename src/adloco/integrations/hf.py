@@ -30,7 +30,9 @@ from transformers.trainer_utils import has_length
 from adloco.api import DiLoCo
 from adloco.integrations.ddp import keep_gradients_local
 from adloco.integrations.replicas import (
+    SkippedBatches,
     advance_schedules,
+    cannot_skip,
     check_replica_launch,
     data_position,
     is_replica,
@@ -75,7 +77,7 @@ class DiLoCoCallback(TrainerCallback):
         if mine is not None and not replica:
             model.load_state_dict(mine["model"])  # DiLoCo's start gave every rank θ: each takes its own model back
             self.diloco.load_state_dict(mine["diloco"])
-        began = state.global_step
+        began, self._data_moved = state.global_step, None
         self._follow_heal(state, control)
         if state.global_step > began and kwargs.get("train_dataloader") is not None:
             self._data_moved = _DataMoved.to_step(kwargs["train_dataloader"], began, state.global_step, args)
@@ -105,7 +107,7 @@ class DiLoCoCallback(TrainerCallback):
         self.diloco.step()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._data_moved is not None and self._data_moved.skipped is not None:
+        if self._data_moved is not None:
             self._data_moved.skipped.batches = 0  # the skip is behind it: the next epochs read from their start
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -144,21 +146,28 @@ class _DataMoved:
     training's start: its sampler's epochs shifted by the epochs between the Trainer's first epoch (its own step's,
     after a resume) and the job's, and the job's epoch entered ``batches`` batches in."""
 
-    def __init__(self, skipped: Any, shift: int, fraction: float, ignore_data_skip: bool) -> None:
+    def __init__(self, skipped: SkippedBatches, shift: int, fraction: float, ignore_data_skip: bool) -> None:
         self.skipped, self.shift, self.epochs_ahead = skipped, shift, shift + fraction
         self.ignore_data_skip = ignore_data_skip  # the user's, put back after the first epoch
 
     @classmethod
-    def to_step(cls, loader: Any, began: int, step: int, args: Any) -> _DataMoved:
+    def to_step(cls, loader: Any, began: int, step: int, args: Any) -> _DataMoved | None:
+        if began > 0 and not hasattr(Trainer, "_run_epoch"):  # before transformers 5 a resume skips its own batches
+            cannot_skip("Trainer", "resumed from a checkpoint, before transformers 5", "on from its checkpoint's place")
+            return None
         accumulation = args.gradient_accumulation_steps
         batches = len(loader) if has_length(loader) else None
         per_epoch = steps_per_epoch(batches, accumulation) if batches else args.max_steps
         epoch, into = data_position(step, per_epoch, accumulation)
-        shift = epoch - began // per_epoch
+        if into and batches and batches % accumulation:  # the Trainer closes that short step by its count from 0
+            cannot_skip("Trainer", "gradient accumulation with a short last step per epoch")
+            into = 0
         base = getattr(loader, "base_dataloader", loader)  # accelerate's adapter iterates the DataLoader it holds
         skipped = skip_batches(base, into, "Trainer")
-        if skipped is not None:
-            shift_sampler_epochs(getattr(skipped.batch_sampler, "sampler", None), shift)
+        if skipped is None:
+            return None
+        shift = epoch - began // per_epoch
+        shift_sampler_epochs(getattr(skipped.batch_sampler, "sampler", None), shift)
         moved = cls(skipped, shift, into / batches if batches else 0.0, args.ignore_data_skip)
         if began > 0:  # resumed: the Trainer would enter its first epoch at its checkpoint's batch, behind the job's
             args.ignore_data_skip = True

@@ -22,7 +22,6 @@ epoch's order where its sampler draws the order from the epoch, as ``Distributed
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from adloco.integrations.ddp import keep_gradients_local
 from adloco.integrations.replicas import (
     SkippedBatches,
     advance_schedules,
+    cannot_skip,
     check_replica_launch,
     data_position,
     is_replica,
@@ -55,7 +55,7 @@ class DiLoCoCallback(pl.Callback):
         self.settings = {"sync_every": sync_every, "method": method, **settings}
         self.diloco: DiLoCo | None = None
         self._resumed: dict[str, Any] | None = None  # this rank's state from the checkpoint a fit resumes from
-        self._skipped: SkippedBatches | None = None  # the batches a heal at the start skipped, until one is trained
+        self._data_moved: _DataMoved | None = None  # a heal at the start moved the data, until a batch is trained
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if len(trainer.optimizers) != 1:
@@ -81,11 +81,12 @@ class DiLoCoCallback(pl.Callback):
         self._resumed, began = None, trainer.global_step
         _follow_heal(trainer, self.diloco)
         if trainer.global_step > began and mine is None:  # a fit resumed mid-epoch reads on as Lightning resumes it
-            self._skipped = _read_on_from(trainer, trainer.global_step)
+            self._data_moved = _read_on_from(trainer, trainer.global_step)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self._skipped is not None:
-            self._skipped.batches, self._skipped = 0, None  # the skip is behind it: later epochs read from their start
+        if self._data_moved is not None:
+            self._data_moved.land(trainer)
+            self._data_moved = None
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         if self.diloco is None:
@@ -134,17 +135,22 @@ def _follow_heal(trainer: Any, diloco: DiLoCo | None) -> None:
     counted.ready += behind
     counted.completed += behind
     epoch_loop._batches_that_stepped += behind
-    per_step = [c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step" and c.frequency == 1]
-    advance_schedules(per_step, behind)
+    advance_schedules(_schedules(trainer, "step"), behind)
 
 
-def _read_on_from(trainer: Any, step: int) -> SkippedBatches | None:
-    """After a heal at the fit's start: Lightning's epoch is the job's at ``step``, and its data goes on from the
-    batch where a replica that never stopped reads there (None where it cannot skip: it reads from the start)."""
+def _schedules(trainer: Any, interval: str) -> list[Any]:
+    """The learning-rate schedules Lightning steps once per ``interval`` (step or epoch)."""
+    return [c.scheduler for c in trainer.lr_scheduler_configs if c.interval == interval and c.frequency == 1]
+
+
+def _read_on_from(trainer: Any, step: int) -> _DataMoved | None:
+    """After a heal at the fit's start: Lightning's epoch is the job's at ``step``, its per-epoch schedules stepped
+    to it, and its data goes on from the batch where a replica that never stopped reads there (None where it cannot
+    skip: it reads from the epoch's start)."""
     loader, accumulation = trainer.train_dataloader, trainer.accumulate_grad_batches
-    if not isinstance(loader, torch.utils.data.DataLoader):
-        warnings.warn(f"this replica healed at step {step}, and its data ({type(loader).__name__}, not one "
-                      "DataLoader) cannot skip to it: it reads its data from the start", stacklevel=2)  # fmt: skip
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)  # Lightning's pass, begun before this hook
+    if not isinstance(loader, torch.utils.data.DataLoader) or fetcher is None:
+        cannot_skip("Lightning fit", f"{type(loader).__name__}, not one DataLoader Lightning iterates")
         return None
     batches = trainer.num_training_batches
     per_epoch = steps_per_epoch(batches, accumulation) if math.isfinite(batches) else step + 1
@@ -155,11 +161,37 @@ def _read_on_from(trainer: Any, step: int) -> SkippedBatches | None:
     progress = trainer.fit_loop.epoch_progress
     for counts in (progress.current, progress.total):
         counts.ready = counts.started = counts.processed = counts.completed = epoch
+    advance_schedules(_schedules(trainer, "epoch"), epoch)
     sampler = getattr(loader, "sampler", None)
     if callable(getattr(sampler, "set_epoch", None)):
         sampler.set_epoch(epoch)
-    iter(trainer.fit_loop._data_fetcher)  # Lightning began its pass before this hook, with the batch sampler's old self
-    return skipped
+    iter(fetcher)  # its pass began with the batch sampler's old self: begin it again, skipping
+    return _DataMoved(skipped, into, epoch * batches + into if math.isfinite(batches) else into)
+
+
+class _DataMoved:
+    """Lightning's data after a heal at the fit's start, until its first batch is trained: a pass that skips
+    ``into`` batches of the job's epoch (``before`` batches of the job so far). Lightning counts an epoch's batches
+    from the first it fetched; at the first one trained, its counts take the skipped ones in, so the epoch's last
+    batch, its short accumulation step and its validation come where they would for a replica that never stopped
+    (the first batch's own ``batch_idx`` stays 0)."""
+
+    def __init__(self, skipped: SkippedBatches, into: int, before: int) -> None:
+        self.skipped, self.into, self.before = skipped, into, before
+
+    def land(self, trainer: Any) -> None:
+        self.skipped.batches = 0  # the skip is behind it: later epochs read from their start
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        for counts, skipped in ((progress.current, self.into), (progress.total, self.before)):
+            counts.ready += skipped
+            counts.started += skipped
+            counts.processed += skipped
+            counts.completed += skipped
+        fetcher = trainer.fit_loop._data_fetcher
+        fetcher.fetched += self.into
+        if fetcher.length is not None:
+            fetcher.done = fetcher.fetched >= fetcher.length
+            progress.is_last_batch = fetcher.done
 
 
 def _on_cpu(value: Any) -> Any:

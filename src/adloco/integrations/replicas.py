@@ -55,10 +55,10 @@ def advance_schedules(schedulers: Iterable[Any], steps: int) -> None:
                 scheduler.step()
 
 
-def data_position(step: int, steps_per_epoch: int, accumulation: int) -> tuple[int, int]:
-    """Where a replica that never stopped reads after ``step`` optimizer steps of ``accumulation`` batches each:
-    the epoch, and how many of its batches were read already (the frameworks end an epoch with a short step)."""
-    return step // steps_per_epoch, (step % steps_per_epoch) * accumulation
+def data_position(step: int, per_epoch: int, accumulation: int) -> tuple[int, int]:
+    """Where a replica that never stopped reads after ``step`` optimizer steps, ``per_epoch`` to an epoch, of
+    ``accumulation`` batches each: the epoch, and how many of its batches were read already."""
+    return step // per_epoch, (step % per_epoch) * accumulation
 
 
 def steps_per_epoch(batches: int, accumulation: int) -> int:
@@ -89,18 +89,25 @@ class SkippedBatches:
 
 def skip_batches(loader: Any, batches: int, framework: str) -> SkippedBatches | None:
     """Make ``loader``'s passes start ``batches`` batches in (see ``SkippedBatches``); None, with a warning, where
-    its data cannot be skipped by index (an iterable dataset), and the replica reads it from its start."""
+    its data cannot be skipped by index (an iterable dataset, no batch sampler), and the replica reads it from its
+    start."""
     dataset, batch_sampler = getattr(loader, "dataset", None), getattr(loader, "batch_sampler", None)
     if isinstance(dataset, IterableDataset) or batch_sampler is None:
-        warnings.warn(
-            f"this replica healed at a later step than its {framework}'s data is at, and its data cannot skip to it "
-            f"({type(loader).__name__} of an iterable dataset): it reads its data from the start",
-            stacklevel=3,
-        )
+        why = "an iterable dataset" if isinstance(dataset, IterableDataset) else "no batch sampler"
+        cannot_skip(framework, f"{type(loader).__name__} of {why}")
         return None
     skipped = SkippedBatches(batch_sampler, batches)
     object.__setattr__(loader, "batch_sampler", skipped)  # a DataLoader refuses a new batch sampler once built
     return skipped
+
+
+def cannot_skip(framework: str, why: str, reads: str = "from the start of an epoch") -> None:
+    """The one warning of a replica whose data cannot follow the job's step after a heal."""
+    warnings.warn(
+        f"this replica healed at a later step than its {framework}'s data is at, and its data cannot skip to it "
+        f"({why}): it reads its data {reads}",
+        stacklevel=3,
+    )
 
 
 def shift_sampler_epochs(sampler: Any, epochs: int) -> None:
@@ -108,4 +115,6 @@ def shift_sampler_epochs(sampler: Any, epochs: int) -> None:
     then reads the order of the job's epoch (a sampler whose order does not follow its epoch is left alone)."""
     set_epoch = getattr(type(sampler), "set_epoch", None)
     if epochs and callable(set_epoch):
+        # every pass's order is set from the loop's epoch before it starts (accelerate's loader does so each time),
+        # so a sampler that moves its own epoch on after a pass is set again, not shifted twice
         sampler.set_epoch = lambda epoch: set_epoch(sampler, epoch + epochs)

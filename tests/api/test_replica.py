@@ -219,7 +219,8 @@ def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_p
     rounds = results[0]["rounds"]
     assert all(r["steps"] == 120 and r["rounds"] == rounds for r in results)
     starts = _round_starts(results[0])  # each round's first step, by round
-    assert starts[rounds - 1] + results[0]["history"][-1]["sync_every"] == 120  # the rounds add up to the steps
+    last = starts[rounds - 1]  # the rounds add up to the steps (the last one is cut short at 120)
+    assert last < 120 <= last + results[0]["history"][-1]["sync_every"]
     assert method == "trainers-auto" or starts == {n: 4 * n for n in starts}  # streaming's H = 4
     # the survivors never restarted: each ran every round from the one it joined at (the first quorum may form
     # before all three ask), one or more of them without replica 2

@@ -29,8 +29,8 @@ _METHOD_FLAGS = {
     "diloco": [],
     "streaming": ["--method", "streaming"],  # 2 fragments, τ = 1
     "eager": ["--overlap", "eager"],  # outer.overlap: Δ in flight for a round, each worker's own share at once
-    "trainers": ["--method", "adloco", "--trainers", "3"],  # a trainer per replica, 2 merging every 2 rounds
-    "trainers-auto": ["--method", "adloco", "--trainers", "3", "--sync-every", "auto"],  # H from 4, within 2..8
+    # a trainer per replica, 2 merging every 2 rounds; H from 4, within 2..8
+    "trainers-auto": ["--method", "adloco", "--trainers", "3", "--sync-every", "auto"],
 }
 DEVICE = ["--device", os.environ.get("ADLOCO_TEST_DEVICE", "cpu"), "--backend", "gloo"]
 
@@ -194,7 +194,8 @@ def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path,
 
 @needs_torchft
 # DiLoCo's: the frameworks' test; AdLoCo's of one trainer: the trainers' after their merges (b grows throughout);
-# eager outer updates: the sharded workers' below; several trainers at a fixed H: the torchrun loop's, above
+# eager outer updates: the sharded workers' below; several trainers at a fixed H: adloco train's replicas
+# (test_replica_training, without a fault)
 @pytest.mark.parametrize("method", ["streaming", "trainers-auto"])
 def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_peer(tmp_path, method):
     """Streaming: the replica dies between its round's two fragment exchanges (steps 2 and 4 of each round) and

@@ -46,3 +46,42 @@ def test_an_iterable_dataset_cannot_skip_and_says_so():
     with pytest.warns(UserWarning, match="reads its data from the start"):
         assert skip_batches(loader, 3, "Trainer") is None
     assert next(iter(loader)).tolist() == [0, 1]
+
+
+def _trainer_args(tmp_path, accumulation: int):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=accumulation, max_steps=100,
+                             use_cpu=True, report_to=[])  # fmt: skip
+
+
+def test_a_trainers_data_moves_to_the_jobs_epoch_and_batch(tmp_path):
+    from adloco.integrations.hf import _DataMoved
+
+    loader = DataLoader(Counted(), batch_size=2)  # 5 batches: 5 steps an epoch
+    moved = _DataMoved.to_step(loader, began=0, step=12, args=_trainer_args(tmp_path, 1))
+    assert moved.shift == 2 and moved.epochs_ahead == pytest.approx(2.4)  # epoch 2, 2 of its 5 batches read
+    assert [b.tolist() for b in loader][0] == [4, 5]
+
+
+def test_a_trainer_that_cannot_close_a_short_accumulation_step_enters_the_jobs_epoch_at_its_start(tmp_path):
+    from adloco.integrations.hf import _DataMoved
+
+    loader = DataLoader(Counted(), batch_size=2)  # 5 batches, 2 a step: 3 steps an epoch, the last of one batch
+    with pytest.warns(UserWarning, match="short last step"):
+        moved = _DataMoved.to_step(loader, began=0, step=4, args=_trainer_args(tmp_path, 2))
+    assert moved.shift == 1 and moved.skipped.batches == 0
+    assert [b.tolist() for b in loader][0] == [0, 1]
+
+
+def test_before_transformers_5_a_resumed_trainer_reads_on_from_its_checkpoint(tmp_path, monkeypatch):
+    from transformers import Trainer
+
+    from adloco.integrations.hf import _DataMoved
+
+    monkeypatch.delattr(Trainer, "_run_epoch")  # the epoch loop of transformers 5, which reads ignore_data_skip late
+    loader = DataLoader(Counted(), batch_size=2)
+    args = _trainer_args(tmp_path, 1)
+    with pytest.warns(UserWarning, match="before transformers 5"):
+        assert _DataMoved.to_step(loader, began=4, step=12, args=args) is None
+    assert not args.ignore_data_skip and [b.tolist() for b in loader][0] == [0, 1]

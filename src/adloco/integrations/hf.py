@@ -136,6 +136,8 @@ class DiLoCoCallback(TrainerCallback):
         torch.save(mine, folder / STATE_FILE.format(rank=self.diloco.rank))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._data_moved is not None:  # training ended within its first epoch: the user's setting back
+            self._data_moved.epoch_ended(args)
         if self.diloco is not None:
             # the model is θ for trainer.save_model and evaluation, unless the Trainer just loaded its best checkpoint
             self.diloco.finish(into_model=not args.load_best_model_at_end)

@@ -144,29 +144,38 @@ def _schedules(trainer: Any, interval: str) -> list[Any]:
 
 
 def _read_on_from(trainer: Any, step: int) -> _DataMoved | None:
-    """After a heal at the fit's start: Lightning's epoch is the job's at ``step``, its per-epoch schedules stepped
-    to it, and its data goes on from the batch where a replica that never stopped reads there (None where it cannot
-    skip: it reads from the epoch's start)."""
+    """After a heal at the fit's start: Lightning's epoch is the job's at ``step``, and its data goes on from the
+    batch where a replica that never stopped reads there (None where it cannot skip: it reads from the epoch's
+    start)."""
     loader, accumulation = trainer.train_dataloader, trainer.accumulate_grad_batches
+    batches = trainer.num_training_batches
+    per_epoch = steps_per_epoch(batches, accumulation) if math.isfinite(batches) else step + 1
+    epoch, into = data_position(step, per_epoch, accumulation)
+    _enter_epoch(trainer, epoch)
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)  # Lightning's pass, begun before this hook
     if not isinstance(loader, torch.utils.data.DataLoader) or fetcher is None:
         cannot_skip("Lightning fit", f"{type(loader).__name__}, not one DataLoader Lightning iterates")
         return None
-    batches = trainer.num_training_batches
-    per_epoch = steps_per_epoch(batches, accumulation) if math.isfinite(batches) else step + 1
-    epoch, into = data_position(step, per_epoch, accumulation)
     skipped = skip_batches(loader, into, "Lightning fit")
     if skipped is None:
         return None
+    sampler = getattr(loader, "sampler", None)
+    if callable(getattr(sampler, "set_epoch", None)):
+        sampler.set_epoch(epoch)
+    loader._iterator = None  # persistent workers would keep the pass's iterator, and the old batch sampler in it
+    iter(fetcher)  # its pass began with the batch sampler's old self: begin it again, skipping
+    return _DataMoved(skipped, into, epoch * batches + into if math.isfinite(batches) else into)
+
+
+def _enter_epoch(trainer: Any, epoch: int) -> None:
+    """Lightning's epoch made ``epoch`` at the fit's start: its count, the schedules it steps per epoch, and the
+    epoch it last reloaded its loader at (a loader reloaded now would lose the skip)."""
     progress = trainer.fit_loop.epoch_progress
     for counts in (progress.current, progress.total):
         counts.ready = counts.started = counts.processed = counts.completed = epoch
     advance_schedules(_schedules(trainer, "epoch"), epoch)
-    sampler = getattr(loader, "sampler", None)
-    if callable(getattr(sampler, "set_epoch", None)):
-        sampler.set_epoch(epoch)
-    iter(fetcher)  # its pass began with the batch sampler's old self: begin it again, skipping
-    return _DataMoved(skipped, into, epoch * batches + into if math.isfinite(batches) else into)
+    if hasattr(trainer.fit_loop, "_last_train_dl_reload_epoch"):
+        trainer.fit_loop._last_train_dl_reload_epoch = epoch
 
 
 class _DataMoved:

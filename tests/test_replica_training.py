@@ -60,8 +60,8 @@ def _rounds(root: Path, replica: int) -> list[dict]:
 )
 def test_without_a_fault_replicas_of_adloco_train_end_on_the_bits_of_the_plain_run(tmp_path, method, rounds):
     """DiLoCo: 2048 tokens, 8 rounds of 4 steps; AdLoCo: 2 trainers of one replica each (each replica steps both
-    itself) merge at round 2 as the plain run's do, then b grows 2, 4, 8 over 9 rounds of 2 steps and the budget
-    cuts the last one short."""
+    itself) merge at round 2 as the plain run's do, then b grows 2, 4, 8 over 9 rounds of 2 steps (each round's
+    record says it, as the plain run's) and the budget cuts the last one short."""
     root, deadline = tmp_path / "runs", time.monotonic() + DEADLINE_S
     lighthouse, address = _lighthouse(min_replicas=2)
     try:
@@ -89,6 +89,8 @@ def test_without_a_fault_replicas_of_adloco_train_end_on_the_bits_of_the_plain_r
         merges = [x for x in read_metrics(root / "job" / f"replica{r}" / "metrics.jsonl") if x["kind"] == "merge"]
         assert [m["round"] for m in merges] == ([2] if "trainers=2" in method else [])
         assert [m["weights"] for m in merges] == [m["weights"] for m in plain_merges]
+        if "method=adloco" in method:  # each trainer's b as decided at the round's end, as the plain run's records
+            assert [x["batch"] for x in records] == [x["batch"] for x in plain_records if x["kind"] == "round"]
 
 
 @needs_torchft

@@ -56,9 +56,8 @@ def check_replica_run(config: TrainConfig, resume: Path | None, torchrun: bool) 
     """What ``adloco train`` as a replica cannot be, each as a one-line error."""
     from adloco.comm.distributed import world_size_from_env
 
-    if config.shards > 1 and (config.method == "adloco" or config.trainers > 1):
-        raise ConfigError("fault_tolerance: a sharded worker's replicas run DiLoCo, LocalSGD or streaming of one "
-                          "trainer for now")  # fmt: skip
+    if config.shards > 1 and config.trainers > 1:
+        raise ConfigError("fault_tolerance: a sharded worker's replicas run one trainer for now (trainers=1)")
     if config.shards > 1 and (not torchrun or world_size_from_env() != config.shards):
         raise ConfigError(f"fault_tolerance with shards={config.shards}: each replica is a torchrun job of its own "
                           f"{config.shards} ranks (torchrun --nproc_per_node={config.shards})")  # fmt: skip
@@ -282,15 +281,16 @@ class _ReplicaLoop:
         data = [t.to(self.device) for t in self.stream.next_batch(samples)]
         self.read += samples
         self.optimizer.zero_grad(set_to_none=True)
-        if self.shards is not None:  # this rank's share of the step, as adloco train shards=S splits it
+        if self.diloco.batch is not None:  # in micro-batches of b_max (a sharded worker: this rank's share of
+            # each); on a statistics step in groups, for the batch test
+            self.losses.append(self.diloco.batch.backward(lambda *xs: self.task.loss(self.model, *xs), *data))
+        elif self.shards is not None:  # this rank's share of the step, as adloco train shards=S splits it
             b_max = self.config.batch.b_max or samples
             self.losses.append(self.shards.backward(self._loss_of(data), samples, b_max))
-        elif self.diloco.batch is None:
+        else:
             loss = self.task.loss(self.model, *data)
             loss.backward()
             self.losses.append(loss.detach())  # no wait for the GPU every step
-        else:  # in micro-batches of b_max; on a statistics step in groups, for the batch test
-            self.losses.append(self.diloco.batch.backward(lambda *xs: self.task.loss(self.model, *xs), *data))
         inner = self.config.inner
         if inner.clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), inner.clip, foreach=False)

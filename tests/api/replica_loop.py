@@ -67,6 +67,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--lighthouse", default=None)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--die-after", type=int, default=None)
+    parser.add_argument("--die-at", type=int, default=None, help="SIGKILL itself at the job's inner step N (replicas "
+                        "that joined at different rounds die in one)")  # fmt: skip
     parser.add_argument("--hang-after", type=int, default=None, help="SIGSTOP itself after N steps (a hung process)")
     parser.add_argument("--perturb-at", type=int, default=None, help="add 0.5 to θ's first tensor at step N (a "
                         "replica that trained apart from its peers, as in a job split into two quorums)")  # fmt: skip
@@ -121,7 +123,8 @@ def main() -> None:
     sizes = []  # AdLoCo: each round's b
     with diloco:
         while diloco.inner_step < args.steps:
-            if args.die_after is not None and diloco.inner_step - first_step == args.die_after and shard == 0:
+            dies = args.die_after is not None and diloco.inner_step - first_step == args.die_after
+            if (dies or diloco.inner_step == args.die_at) and shard == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.hang_after is not None and diloco.inner_step - first_step == args.hang_after:
                 os.kill(os.getpid(), signal.SIGSTOP)
@@ -144,9 +147,9 @@ def main() -> None:
     theta = [(p.full_tensor() if args.shards > 1 else p).detach().cpu() for p in net.parameters()]
     loss = held_out_loss(net)  # every shard of a sharded worker takes part in its forward
     history = [vars(r) for r in diloco.replica.history] if diloco.replica is not None else []
-    if shard > 0:  # the first rank of a sharded worker writes it whole; the others their rounds' H and decisions
+    if shard > 0:  # the first rank of a sharded worker writes it whole; the others their rounds' H, b and decisions
         decided = [(h["round"], h["sync_every"], h["sync"]) for h in history]
-        (out / f"replica{replica}.shard{shard}.json").write_text(json.dumps(decided))
+        (out / f"replica{replica}.shard{shard}.json").write_text(json.dumps({"decided": decided, "sizes": sizes}))
         torch.distributed.destroy_process_group()
         return
     torch.save(theta, out / f"replica{replica}.pt")

@@ -1,7 +1,8 @@
 """Run by tests/api/test_diloco.py under torchrun on 4 ranks: 2 DiLoCo workers, each a model sharded with FSDP2
 over 2 ranks (examples/sharded_loop.py's loop), against the same 2 workers unsharded; a mid-round
-torch.distributed.checkpoint of the sharded run resumed; and the refusals of a mesh DiLoCo cannot use. Rank 0
-writes what it found to the JSON file named by the first argument."""
+torch.distributed.checkpoint of the sharded run resumed; the refusals of a mesh DiLoCo cannot use; and AdLoCo's
+adaptive batch over the same sharded workers, each rank reading its worker's whole batch. Rank 0 writes what it
+found to the JSON file named by the first argument."""
 
 import importlib.util
 import json
@@ -28,6 +29,8 @@ example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 
 CONTEXT, BATCH, STEPS, STOP, H = 16, 4, 10, 5, 4  # 3 rounds: 4, 4 and a last one of 2; stopped within round 2
+# AdLoCo's batch with pinned costs (decisions that do not hang on this machine's timings), from b = 2
+ADAPTIVE = {"size": 2, "b_cap": 16, "step_seconds": [0.01, 0.001], "round_seconds": 0.05, "min_steps_left": 1}
 
 
 def build(mesh=None):
@@ -60,6 +63,49 @@ def refusals(mesh) -> list[str]:
     except ValueError as error:
         said.append(str(error))
     return said
+
+
+def adloco(mesh, windows, sharded: bool, batch: dict, seed: int) -> dict:
+    """AdLoCo over the workers (sharded over ``mesh["shard"]`` or whole on each rank): every rank reads its
+    worker's whole batch of the size the adaptive batch asks for and runs its backward; θ whole, b of each step,
+    and the step cost each decision weighed."""
+    model, optimizer = build(mesh["shard"] if sharded else None)
+    diloco = DiLoCo(model, optimizer, sync_every=H, method="adloco", batch=batch, process_group=mesh["replicate"])
+    loss_of = lambda ids: model(input_ids=ids, labels=ids).loss  # noqa: E731
+    sizes, timed = [], []
+    with diloco:
+        for _, indices in zip(range(STEPS), diloco.batch.sampler(len(windows), seed=seed), strict=False):
+            sizes.append(len(indices))
+            diloco.batch.backward(loss_of, windows[indices])
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            if diloco.round_step == 0:
+                timed.append((diloco.batch.last_decision or {}).get("timed"))
+    diloco.finish()
+    theta = [p.full_tensor() if sharded else p.detach() for p in model.parameters()]
+    return {"theta": theta, "sizes": sizes, "timed": timed}
+
+
+def adaptive(mesh, data) -> dict:
+    """AdLoCo sharded against the same workers whole; with measured costs, the b every rank of a worker chose; a
+    worker's ranks given different samples, refused on both."""
+    worker = mesh.get_local_rank("replicate")
+    windows = data[: len(data) // CONTEXT * CONTEXT].reshape(-1, CONTEXT)
+    sharded, whole = (adloco(mesh, windows, s, ADAPTIVE, seed=worker) for s in (True, False))
+    measured = adloco(mesh, windows, True, {**ADAPTIVE, "step_seconds": None, "round_seconds": None}, seed=worker)
+    pairs = zip(sharded["theta"], whole["theta"], strict=True)
+    refused = ""
+    try:
+        adloco(mesh, windows, True, ADAPTIVE, seed=mesh.get_rank())  # each rank its own samples
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "difference": max(float((a - b).abs().max()) for a, b in pairs),
+        "sizes": [sharded["sizes"], whole["sizes"]],
+        "measured": [worker, measured["sizes"], measured["timed"]],
+        "refused": refused,
+    }
 
 
 def first_decision(mesh, batches, part) -> dict:
@@ -116,6 +162,7 @@ def main(out: Path) -> None:
         "refusals": refusals(mesh),
         # a sharded worker's shards choose one H from the whole worker's dispersion, as the unsharded workers'
         "auto": [first_decision(mesh, batches, half), first_decision(mesh, batches, None)],
+        "adaptive": adaptive(mesh, data),
     }
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, found)

@@ -48,8 +48,8 @@ def _loop(tmp_path: Path, out: Path, settings: list[str], *flags: str, script: P
 @pytest.mark.parametrize(
     ("method", "flags", "stop_after"),
     [
-        (["total_tokens=1024"], ["--own-group"], None),
-        ([*STREAMING_FP4, "total_tokens=1280"], [], 9),
+        # over a process group of the loop's own, stopped mid-round with a fragment in flight and resumed
+        ([*STREAMING_FP4, "total_tokens=1280"], ["--own-group"], 9),
         # the loop clips before the hook averages the gradients, adloco train after: without clipping they agree
         (["method=ddp", "inner.clip=null", "total_tokens=512"], [], None),
         # (the time-aware controller at a fixed H on pinned costs: adloco train's replicas, which run this loop's
@@ -74,22 +74,21 @@ def _loop(tmp_path: Path, out: Path, settings: list[str], *flags: str, script: P
         ),  # fmt: skip
     ],
     ids=[
-        "diloco-own-group",
-        "streaming-fp4-ef-resumed-mid-round",
+        "streaming-fp4-ef-own-group-resumed-mid-round",
         "ddp",
         "adloco-merges",
         "adloco-auto",
     ],  # fmt: skip
 )
 def test_a_plain_loop_with_diloco_ends_on_the_bits_of_adloco_train(tmp_path, method, flags, stop_after):
-    """Two torchrun ranks; the loop reads the samples adloco train's workers read (the first case over a process
-    group of its own). The streaming case stops after inner step 9 (mid-round, a fragment in flight), each rank
+    """Two torchrun ranks; the loop reads the samples adloco train's workers read. The streaming case exchanges
+    over a process group of its own and stops after inner step 9 (mid-round, a fragment in flight), each rank
     saving its own checkpoint, and a second launch resumes from it."""
     settings = layered(SETTINGS, method)
     _torchrun(2, [*settings, f"run.root={tmp_path}", "run.name=cli"], cwd=tmp_path)
     out = tmp_path / "loop.pt"
     if stop_after is not None:
-        _loop(tmp_path, out, settings, f"--stop-after={stop_after}")
+        _loop(tmp_path, out, settings, *flags, f"--stop-after={stop_after}")
         assert not out.exists() and len(list(tmp_path.glob("loop.pt.rank*"))) == 2  # each rank its own
     _loop(tmp_path, out, settings, *flags)
     expected, got = final_params(tmp_path / "cli"), torch.load(out, weights_only=True)
@@ -102,7 +101,10 @@ def test_workers_sharded_with_fsdp2_exchange_their_rows_and_resume_from_dcp(tmp_
     over the mesh's other dimension: the θ of the same 2 workers unsharded up to the order of float additions (each
     worker's gradient is the mean of its shards'), half the bytes per rank; stopped mid-round, saved with DCP and
     resumed by new objects, the same bits; the whole job or an HSDP mesh as the exchange refused on every rank; with
-    sync_every="auto" every rank decides the same H from the whole workers' dispersion."""
+    sync_every="auto" every rank decides the same H from the whole workers' dispersion; AdLoCo's adaptive batch over
+    the sharded workers (each rank reading its worker's whole batch) grows b as over the workers whole and ends on
+    their θ up to the order of float additions, with measured costs every rank of a worker chooses the same b, and a
+    worker's ranks that read different samples are refused on both."""
     out = tmp_path / "found.json"
     _loop(tmp_path, out, [], script=LOOP.with_name("sharded_loop_check.py"), ranks=4)
     for rank in json.loads(out.read_text()):
@@ -118,6 +120,17 @@ def test_workers_sharded_with_fsdp2_exchange_their_rows_and_resume_from_dcp(tmp_
     sharded, whole = ranks[0]["auto"]
     assert all(rank["auto"][0] == sharded for rank in ranks)
     assert sharded["dispersion"] == pytest.approx(whole["dispersion"], rel=1e-4)
+    for rank in ranks:
+        adaptive = rank["adaptive"]
+        sharded, whole = adaptive["sizes"]
+        assert sharded == whole and sharded[0] == 2 and max(sharded) > 2  # b grew, as over the whole workers
+        assert 0 < adaptive["difference"] < 1e-5
+        assert "read different samples for one inner step" in adaptive["refused"]
+    by_worker = {}  # measured costs: each worker's ranks weighed the same step cost and chose the same b
+    for worker, sizes, timed in (rank["adaptive"]["measured"] for rank in ranks):
+        by_worker.setdefault(worker, []).append((sizes, timed))
+    assert all(len(seen) == 2 and seen[0] == seen[1] for seen in by_worker.values())
+    assert all(any(t is not None for t in seen[0][1]) for seen in by_worker.values())  # the costs were timed
 
 
 # -- one process: a world of one worker ---------------------------------------------------------------------------

@@ -87,8 +87,9 @@ def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
     cli = adloco_process("train", *replica, "shards=2", cwd=tmp_path)
     assert cli.returncode == 2 and "is a torchrun job of its own 2 ranks" in cli.stderr.splitlines()[-1]
     assert "Traceback" not in cli.stderr
-    with pytest.raises(ConfigError, match="DiLoCo, LocalSGD or streaming of one trainer"):  # before torchrun's
-        check_replica_run(build_config(overrides=[*replica, "shards=2", "method=adloco"]), None, torchrun=False)
+    several = [*replica, "shards=2", "method=adloco", "trainers=2", "workers=1"]
+    with pytest.raises(ConfigError, match="run one trainer for now"):  # before torchrun's
+        check_replica_run(build_config(overrides=several), None, torchrun=False)
     bad = adloco_process("lighthouse", "--port", "70000", cwd=tmp_path)
     assert bad.returncode == 2 and "not a port number" in bad.stderr.splitlines()[-1]
 
@@ -268,17 +269,19 @@ def _sharded_replica(out: Path, replica: int, lighthouse: str, *flags: str) -> s
 
 
 @needs_torchft
-def test_a_sharded_workers_replica_that_loses_a_rank_heals_shard_by_shard_when_started_again(tmp_path):
-    """2 replicas, each a worker sharded over 2 ranks with FSDP2 (a torchrun job of its own), eager outer updates,
-    sync_every=auto. Replica 1's first rank is SIGKILLed mid-round and torchrun ends its other rank; replica 0 drops
-    that round and waits at the next quorum (min_replicas 2), never restarted. Started again, each of replica 1's
-    ranks heals its rows from the rank of replica 0 holding the same rows, with an exchange in flight; both then
-    choose the same H every round and end on the same θ. (Without a fault these replicas end on the bits of the same
-    workers as 4 torchrun ranks over a 2-D mesh, at a fixed H: checked by hand with ``replica_loop.py --shards 2
-    [--plain]``.)"""
+@pytest.mark.parametrize("method", ["eager", "adloco"])
+def test_a_sharded_workers_replica_that_loses_a_rank_heals_shard_by_shard_when_started_again(tmp_path, method):
+    """2 replicas, each a worker sharded over 2 ranks with FSDP2 (a torchrun job of its own), sync_every=auto, with
+    eager outer updates or AdLoCo's adaptive batch (each rank reading its worker's whole batch, b and H chosen
+    together). Replica 1's first rank is SIGKILLed mid-round and torchrun ends its other rank; replica 0 drops that
+    round and waits at the next quorum (min_replicas 2), never restarted. Started again, each of replica 1's ranks
+    heals its rows from the rank of replica 0 holding the same rows (eager: with an exchange in flight; AdLoCo: b
+    and the batch's state too); both then choose the same H (and b) every round and end on the same θ. (Without a
+    fault these replicas end on the bits of the same workers as 4 torchrun ranks over a 2-D mesh, at a fixed H:
+    checked by hand with ``replica_loop.py --shards 2 [--plain]``, for DiLoCo and AdLoCo.)"""
     deadline = time.monotonic() + DEADLINE_S
-    flags = ["--replicas", "2", "--steps", "60", "--exchange-timeout", "15", "--overlap", "eager"]
-    flags += ["--sync-every", "auto", "--min-replicas", "2"]
+    flags = ["--replicas", "2", "--steps", "60", "--exchange-timeout", "15", "--sync-every", "auto"]
+    flags += ["--min-replicas", "2", *(["--overlap", "eager"] if method == "eager" else ["--method", "adloco"])]
     lighthouse, address = _lighthouse(min_replicas=2)
     try:
         survivor = _sharded_replica(tmp_path, 0, address, *flags)
@@ -301,9 +304,14 @@ def test_a_sharded_workers_replica_that_loses_a_rank_heals_shard_by_shard_when_s
         assert h["participants"] == 2 and h["committed"]
         assert (h["sync_every"], h["sync"]) == (by_round[h["round"]]["sync_every"], by_round[h["round"]]["sync"])
     assert len({h["sync_every"] for h in history}) > 1  # H moved
+    sizes = survived["sizes"]
+    if method == "adloco":
+        assert sizes[0] == 2 and max(sizes) > 2  # b grew from replica_loop.py's start
+        assert rejoined["sizes"] == sizes[len(sizes) - len(rejoined["sizes"]) :]  # the healed replica's b: its peer's
     for result, r in ((survived, 0), (rejoined, 1)):  # each replica's second rank decided as its first, every round
         decided = [[h["round"], h["sync_every"], h["sync"]] for h in result["history"]]
-        assert json.loads((tmp_path / f"replica{r}.shard1.json").read_text()) == decided
+        second = json.loads((tmp_path / f"replica{r}.shard1.json").read_text())
+        assert second == {"decided": decided, "sizes": result["sizes"]}
     assert _same(_theta(tmp_path, 1), _theta(tmp_path, 0))
 
 
@@ -321,14 +329,19 @@ def test_the_others_train_on_through(tmp_path, fault):
     step 20) finds it at the round's exchange and heals from a peer at the next round."""
     deadline = time.monotonic() + DEADLINE_S
     method = {"a hung replica": "streaming", "two replicas dying in one round": "eager"}.get(fault, "diloco")
-    steps = ["--steps", "80", "--step-seconds", "0.05", "--exchange-timeout", "4", *_METHOD_FLAGS[method]]
+    # a hung replica is cut off after the exchange timeout: short; after a Lighthouse restart the quorum's process
+    # group forms and a lost quorum request is asked again within it, while the new Lighthouse starts on these 2
+    # cores beside the replicas: 4 s was seen to run out (2 runs in 5)
+    timeout = "10" if fault == "a restarted lighthouse" else "4"
+    steps = ["--steps", "80", "--step-seconds", "0.05", "--exchange-timeout", timeout, *_METHOD_FLAGS[method]]
     port = _free_port()
     # a restarted Lighthouse forms quorums of a majority (2 of 3): two quorums of fewer could each train on apart
     majority = 2 if fault == "a restarted lighthouse" else 1
     lighthouse, address = _lighthouse(min_replicas=majority, port=port)
     flags = {
         "a hung replica": {2: ["--hang-after", "14"]},
-        "two replicas dying in one round": {1: ["--die-after", "14"], 2: ["--die-after", "14"]},
+        # at the job's step 14, whichever round each joined at (min_replicas 1: a slow start joins a round late)
+        "two replicas dying in one round": {1: ["--die-at", "14"], 2: ["--die-at", "14"]},
         "a restarted lighthouse": {2: ["--perturb-at", "20"]},
     }[fault]
     try:
@@ -352,9 +365,11 @@ def test_the_others_train_on_through(tmp_path, fault):
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
     histories = _histories(tmp_path, survivors)
-    for history in histories:  # at most the round of the fault is dropped (a failed exchange is not redone)
+    # at most the round of the fault is dropped (a failed exchange is not redone); with a restarted Lighthouse the
+    # round it falls in, or the next (the heal of the moved replica), can fail its exchange (1 run in 4)
+    for history in histories:
         dropped = [h["round"] for h in history if not h["committed"]]
-        assert len(dropped) <= (0 if fault == "a restarted lighthouse" else 1) and all(n >= 14 // 4 for n in dropped)
+        assert len(dropped) <= 1 and all(n >= 14 // 4 for n in dropped)
         assert sorted(set(flags) - set(survivors)) == history[-1]["absent"]  # the faulty ones are left out at the end
     if fault == "a restarted lighthouse":  # replica 2 found it at the exchange of round 5 (steps 20-23), healed next
         moved = histories[2]

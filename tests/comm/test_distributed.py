@@ -328,7 +328,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_boundary_and_the_resume_is_
 @pytest.mark.parametrize(
     "method",
     [
-        ["method=diloco"],
+        # (DiLoCo's ranks stopping at one round's end: the SIGTERM test above)
         ["method=ddp"],  # one report per inner step: the request rides in each
         ["method=adloco", "trainers=2", "workers=1", "merge.every=100", "batch.b_cap=4"],  # one trainer per rank
     ],

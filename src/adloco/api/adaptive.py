@@ -5,6 +5,12 @@ and in which micro-batches (switch mode), runs the loop's loss over the groups o
 microbatch estimator: two scalars per worker, carried by the round's own exchange), and at the round's end
 decides the next batch with the very policy ``adloco train`` runs (``adloco.batch``). The inner lr and AdamW β2 of
 the user's optimizer follow the batch.
+
+A worker sharded over several ranks (FSDP2) splits its step as ``adloco train shards=S`` does: every rank of the
+worker reads the worker's whole batch (the same samples: the sampler's seed is the worker's), and ``backward`` runs
+this rank's share of each micro-batch and of each statistics group, weighted by its share of the worker's batch.
+A statistics group then spans the shards, so the worker's statistics are those of its whole gradient; its timings
+are the mean over its ranks, so every rank of the worker decides the same b.
 """
 
 from __future__ import annotations
@@ -19,12 +25,15 @@ import torch
 from adloco.algorithms.batch_tests import GroupedGradient
 from adloco.algorithms.controller import StepCost, fit_step_cost
 from adloco.algorithms.flat import flatten, unflatten
+from adloco.algorithms.sharding import local_rows, sharded_like
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches, split_evenly
 from adloco.api.rounds import LoopRounds
+from adloco.api.worker import WorkerShards
 from adloco.batch.policy import TrainerBatch, pace_for
 from adloco.batch.rounds import pinned_seconds
 from adloco.config import BatchConfig, ConfigError
 from adloco.pace import CostModel, Pace, pinned_costs
+from adloco.sharded_worker import backward_shard
 from adloco.sync import RoundState, WorkerRound
 from adloco.trainer import Trainer
 from adloco.worker import backward_in_groups, backward_in_micro_batches
@@ -47,9 +56,14 @@ class AdaptiveBatch:
         worker_id: int,
         rounds: LoopRounds,
         total_samples: int | None = None,
+        shards: WorkerShards | None = None,
+        divisor: float = 1.0,
     ) -> None:
         _check_supported(batch)
         self.config, self.optimizer, self.params = batch, optimizer, list(params)
+        # the ranks of this rank's worker when its model is sharded over several, and what FSDP divides their
+        # gradients' sum by (each rank's share of a step is scaled by it, so the reduction gives the worker's mean)
+        self.shards, self.divisor = shards, divisor
         self.trainers, self.worker_id = trainers, worker_id  # the loop's own dict: merges remove trainers from it
         self.total_workers = sum(len(t.worker_ids) for t in trainers.values())
         self.rounds, self.total_samples = rounds, total_samples  # rounds: their H (auto: b weighed at the H chosen)
@@ -129,35 +143,59 @@ class AdaptiveBatch:
         loss."""
         begun = time.perf_counter()
         batch = data[0].size(0)
+        if self.shards is not None:
+            self._check_same_samples(data[0])
 
         def loss_of(offset: int, size: int) -> torch.Tensor:
             return loss_fn(*(t[offset : offset + size] for t in data))
 
         if not self.measuring:
-            loss = float(backward_in_micro_batches(loss_of, 0, batch, batch, self.b_max))
+            loss = self._backward_samples(loss_of, 0, batch, batch)
         else:
             loss = self._measured_backward(loss_of, batch)
         self.first_step = False
         self.compute_seconds += time.perf_counter() - begun
         return loss
 
+    def _backward_samples(
+        self, loss_of: Callable[[int, int], torch.Tensor], start: int, stop: int, total: int
+    ) -> float:
+        """The backward of samples [start, stop), each weighing 1/``total``: on this rank, or this rank's share of
+        them when the worker is sharded; the worker's mean loss over them."""
+        if self.shards is None:
+            return float(backward_in_micro_batches(loss_of, start, stop, total, self.b_max))
+        shard = (self.shards.index, self.shards.count)
+        return backward_shard(loss_of, start, stop, total, self.b_max, self.divisor, shard, self.shards.sum_tensor)
+
+    def _check_same_samples(self, samples: torch.Tensor) -> None:
+        """The ranks of a sharded worker split one batch: refuse (on all of them at once) where they were given
+        different ones, which would train the worker on neither (or hang FSDP on unlike micro-batch counts)."""
+        assert self.shards is not None
+        if not self.shards.hold_alike(samples):
+            raise ValueError("the ranks of a sharded worker read different samples for one inner step: with "
+                             "method='adloco' every rank of a worker reads the worker's whole batch (the same "
+                             "sampler seed) and backward() runs its own share")  # fmt: skip
+
     def _measured_backward(self, loss_of: Callable[[int, int], torch.Tensor], batch: int) -> float:
         sizes = split_evenly(batch, min(batch, self.config.groups))
         gram = self.config.test == "inner_product"
-        grouped = GroupedGradient(sizes, sum(p.numel() for p in self.params), gram, self.params[0].device)
+        rows = [local_rows(p) for p in self.params]
+        grouped = GroupedGradient(sizes, sum(r.numel() for r in rows), gram, rows[0].device)
 
         def backward_group(start: int, size: int) -> float:
             for p in self.params:
                 p.grad = None
-            loss = float(backward_in_micro_batches(loss_of, start, start + size, size, self.b_max))
-            grouped.add(flatten([torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]), size)
+            loss = self._backward_samples(loss_of, start, start + size, size)
+            pairs = zip(self.params, rows, strict=True)
+            grads = [torch.zeros_like(r) if p.grad is None else local_rows(p.grad) for p, r in pairs]
+            grouped.add(flatten(grads), size)
             return loss
 
         loss = backward_in_groups(sizes, backward_group)
         with torch.no_grad():
-            for p, g in zip(self.params, unflatten(grouped.total, self.params), strict=True):
-                p.grad = g.to(p.device, copy=True)
-        self.statistics = grouped.statistics()
+            for p, g in zip(self.params, unflatten(grouped.total, rows), strict=True):
+                p.grad = sharded_like(p, g.to(local_rows(p).device, copy=True))
+        self.statistics = grouped.statistics(None if self.shards is None else self.shards.sum_tensor)
         return loss
 
     def scale_lr(self) -> None:
@@ -184,8 +222,11 @@ class AdaptiveBatch:
     def stamp(self, state: RoundState, rank: int, steps: int) -> None:
         """This worker's timings into its round report (a time-aware controller's measured costs)."""
         record = state.local[rank]
-        record.step_seconds = self.compute_seconds / max(steps, 1)
-        record.overhead_seconds = max(0.0, time.perf_counter() - self._round_started - self.compute_seconds)
+        step_seconds = self.compute_seconds / max(steps, 1)
+        overhead = max(0.0, time.perf_counter() - self._round_started - self.compute_seconds)
+        if self.shards is not None:  # the worker's, the same on each of its ranks: they must decide alike
+            step_seconds, overhead = (t / self.shards.count for t in self.shards.sum([step_seconds, overhead]))
+        record.step_seconds, record.overhead_seconds = step_seconds, overhead
 
     def after_round(self, state: RoundState, steps: int, trainers: Sequence[Trainer]) -> None:
         """The round's end (the reports of the ``trainers`` taking part here in): each decides its next batch, alike
@@ -283,7 +324,6 @@ class AdaptiveBatch:
     def worker_samples(self) -> int:
         """Samples this rank's worker read in the rounds that ended, as planned (a replica's stream position)."""
         return self.samples_by_worker.get(self.worker_id, 0)
-        self._follow_batch()
 
 
 class BatchSampler(torch.utils.data.Sampler):

@@ -22,7 +22,7 @@ from adloco.api.adaptive import AdaptiveBatch
 from adloco.api.loop_state import LoopState
 from adloco.api.replica import Replica
 from adloco.api.rounds import LoopRounds
-from adloco.api.worker import LoopWorker, WorkerShards, finite, worker_shards
+from adloco.api.worker import LoopWorker, WorkerShards, finite, gradient_divisor, worker_shards
 from adloco.batch.policy import TrainerBatch
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.config import ConfigError, TrainConfig, build_config
@@ -108,7 +108,7 @@ class DiLoCo(LoopState):
         sections = {"outer": outer, "streaming": streaming, "codec": codec, "batch": batch, "merge": merge,
                     "sync_auto": sync_auto, "fault_tolerance": fault_tolerance}  # fmt: skip
         adaptive = method == "adloco" or batch is not None
-        _check_layout(adaptive, trainers, self.shards, process_group)  # before anything connects
+        _check_layout(trainers, self.shards, process_group)  # before anything connects
         self._connect(method, sync_every, sections, trainers, process_group)
         # their count and H (sync_every="auto": chosen at each round's end)
         self.rounds = LoopRounds(self.config, self.shards)
@@ -123,8 +123,9 @@ class DiLoCo(LoopState):
         self.merges: list[MergeEvent] = []  # the merges of several trainers, as they happened
         self.batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
         if adaptive:
+            divisor = 1.0 if self.shards is None else gradient_divisor(model, self.shards)
             self.batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.trainers, self.rank,
-                                       self.rounds, total_samples)  # fmt: skip
+                                       self.rounds, total_samples, self.shards, divisor)  # fmt: skip
         self.inner_step = 0  # inner steps taken since the start, over every round
         self._state = self._new_round()
         self._hooks: list[Any] = []
@@ -275,6 +276,8 @@ class DiLoCo(LoopState):
         self.last_round = state
         self._state = self._new_round()
         if self.replica is not None:
+            if self.batch is not None and self.replica.history:  # b as decided, as adloco train's round records
+                self.replica.history[-1].batch = {k: trainer.batch.size for k, trainer in self.trainers.items()}
             self.replica.end_round(None if self.rounds.last is None else self.rounds.last.to_dict())
             if not self._finishing:
                 self._join_round()
@@ -396,11 +399,8 @@ def _communicator(process_group: Any, device: torch.device) -> Communicator:
     return DistributedCommunicator.on_group(process_group, device=device)
 
 
-def _check_layout(adaptive: bool, trainers: int, shards: WorkerShards | None, process_group: Any) -> None:
+def _check_layout(trainers: int, shards: WorkerShards | None, process_group: Any) -> None:
     """What DiLoCo cannot take on with this job's layout, refused before it connects to anything."""
-    if adaptive and shards is not None:
-        raise ValueError("the adaptive batch (method='adloco') takes a model on one rank per worker; a sharded "
-                         "AdLoCo worker is adloco train's (shards=S, not as a replica) for now")  # fmt: skip
     if trainers > 1 and (shards is not None or process_group is not None):
         raise ValueError("several trainers take a job of one rank per worker over the default process group")
 

@@ -43,6 +43,7 @@ class RoundFaults:
     diverged: bool = False  # its θ was unlike its peers' at the round's exchange: it heals at the next round
     quorum_seconds: float = 0.0
     sync_every: int = 0  # H of the round (sync_every=auto: the job's choice, the same on every replica)
+    batch: dict[int, int] | None = None  # AdLoCo: each trainer's b_req decided at the round's end
     sync: dict[str, Any] | None = None  # the next round's H and why (``SyncDecision.to_dict``), as decided here
     started: float = 0.0  # wall-clock time (time.time()) the round's quorum formed
 

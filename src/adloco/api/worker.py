@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from adloco.algorithms.flat import finite_rows
+from adloco.algorithms.flat import bits_digest, finite_rows
 from adloco.algorithms.sharding import local_rows, sharded_like
 
 
@@ -38,6 +38,16 @@ class WorkerShards:
     def sum(self, values: Sequence[float]) -> list[float]:
         """``values`` summed over this worker's shards (each holds its rows' part of a norm)."""
         return self._reduce(values, "SUM")
+
+    def sum_tensor(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over this worker's shards, in float64 and shaped as given (a statistics step's sums)."""
+        return torch.tensor(self.sum(values.reshape(-1).tolist()), dtype=torch.float64).reshape(values.shape)
+
+    def hold_alike(self, tensor: torch.Tensor) -> bool:
+        """Whether every shard of this worker holds ``tensor`` bit for bit; the same answer on each."""
+        digest = float((bits_digest([tensor]) * 1_000_003 + tensor.numel()) % (1 << 48))  # exact in a float64
+        highest, lowest = self.largest([digest, -digest])
+        return highest == -lowest
 
     def largest(self, values: Sequence[float]) -> list[float]:
         """Each of ``values`` at its largest over this worker's shards (the same on every shard)."""
@@ -75,6 +85,23 @@ def worker_shards(params: Sequence[torch.Tensor]) -> WorkerShards | None:
     if any(p.device_mesh != mesh for p in sharded):
         raise ValueError("the model's parameters are sharded over different meshes: DiLoCo needs one shard group")
     return WorkerShards(mesh.get_group(), mesh.size(), mesh.get_local_rank(), local_rows(sharded[0]).device)
+
+
+def gradient_divisor(model: torch.nn.Module, shards: WorkerShards) -> float:
+    """What FSDP divides the sum of a sharded worker's gradients over its ranks by: the shard count unless the
+    user set another factor (``set_gradient_divide_factor``; 1.0 sums). One factor for the whole model, or a
+    one-line error: a backward that splits a step over the ranks undoes it to weigh each rank's samples."""
+    from torch.distributed.fsdp import FSDPModule
+
+    factors = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or []
+            factors.update(getattr(group, "gradient_divide_factor", None) or float(shards.count) for group in groups)
+    if len(factors) > 1:
+        raise ValueError(f"the model's FSDP modules divide their gradients by different factors ({sorted(factors)}): "
+                         "give them one (set_gradient_divide_factor on the root module)")  # fmt: skip
+    return factors.pop() if factors else float(shards.count)
 
 
 class LoopWorker:

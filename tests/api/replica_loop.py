@@ -72,6 +72,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--hang-after", type=int, default=None, help="SIGSTOP itself after N steps (a hung process)")
     parser.add_argument("--perturb-at", type=int, default=None, help="add 0.5 to θ's first tensor at step N (a "
                         "replica that trained apart from its peers, as in a job split into two quorums)")  # fmt: skip
+    parser.add_argument("--perturb-once", default=None, help="the same, once, at the first step after this file "
+                        "appears")  # fmt: skip
     parser.add_argument("--exchange-timeout", type=float, default=20.0)
     parser.add_argument("--step-seconds", type=float, default=0.0)
     parser.add_argument("--min-replicas", type=int, default=1)
@@ -121,6 +123,7 @@ def main() -> None:
         (Path(args.out) / f"replica{replica}.started").touch()  # past its first quorum: training
     first_step = diloco.inner_step
     sizes = []  # AdLoCo: each round's b
+    perturbed = False
     with diloco:
         while diloco.inner_step < args.steps:
             dies = args.die_after is not None and diloco.inner_step - first_step == args.die_after
@@ -128,9 +131,11 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.hang_after is not None and diloco.inner_step - first_step == args.hang_after:
                 os.kill(os.getpid(), signal.SIGSTOP)
-            if args.perturb_at is not None and diloco.inner_step == args.perturb_at:
+            signalled = args.perturb_once is not None and not perturbed and Path(args.perturb_once).exists()
+            if (args.perturb_at is not None and diloco.inner_step == args.perturb_at) or signalled:
                 with torch.no_grad():
                     diloco.theta[0].add_(0.5)
+                perturbed = True
             time.sleep(args.step_seconds)
             if diloco.batch is None:
                 x, y = batch(replica, diloco.inner_step, args.device)

@@ -10,14 +10,16 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from adloco import DiLoCo, build_config
-from adloco.comm.replicas import pack_slot, unpack_slots
+from adloco.comm.replicas import ReplicaCommunicator, pack_slot, unpack_slots
 from adloco.config import ConfigError
 from adloco.replica_training import check_replica_run
 from tests.comm.test_distributed import _env, _free_port
@@ -46,10 +48,89 @@ def _torchft_missing() -> bool:
 needs_torchft = pytest.mark.skipif(_torchft_missing(), reason="torchft (extra 'torchft') unavailable")
 
 
+class _Quorum:
+    """The Manager's process group of a quorum of replicas in one process: each replica's all-gather (from its own
+    thread) waits for the others' and receives every slot, as gloo's does."""
+
+    def __init__(self, size: int) -> None:
+        self.sent: list[torch.Tensor | None] = [None] * size
+        self.barrier = threading.Barrier(size)
+
+    def group(self, rank: int):
+        quorum = self
+
+        class Group:
+            def size(self) -> int:
+                return len(quorum.sent)
+
+            def allgather(self, received, sent, opts):
+                quorum.sent[rank] = sent[0].clone()
+                quorum.barrier.wait(timeout=30)
+                for out, slot in zip(received[0], quorum.sent, strict=True):
+                    out.copy_(slot)
+                done = torch.futures.Future()
+                done.set_result(received)
+                return SimpleNamespace(get_future=lambda: done)
+
+        return Group()
+
+
+class _Manager:
+    """A torchft Manager whose quorum formed and commits, over ``group``."""
+
+    def __init__(self, group) -> None:
+        self._pg = group
+
+    def errored(self):
+        return None
+
+    def wait_quorum(self) -> None:
+        pass
+
+    def is_participating(self) -> bool:
+        return True
+
+    def wrap_future(self, future, default):
+        return future
+
+    def should_commit(self) -> bool:
+        return True
+
+    def report_error(self, error: Exception) -> None:
+        raise error
+
+
+def test_the_exchange_gathers_each_replicas_own_slot_into_worker_order():
+    """Replicas 0 and 2 of 3 in the quorum: each sends its own slot only (its row, its worker id) and both read
+    every present row bit for bit (NaN and −0.0 too) in worker order, zeros for the absent worker 1."""
+    rows = {0: [torch.tensor([1.5, -0.0, float("nan")]), torch.tensor([7, 255], dtype=torch.uint8)],
+            2: [torch.tensor([2.0, 3.0, 4.0]), torch.tensor([1, 2], dtype=torch.uint8)]}  # fmt: skip
+    quorum = _Quorum(2)
+    comms = {r: ReplicaCommunicator(_Manager(quorum.group(i)), r, 3) for i, r in enumerate(rows)}
+    got = {}
+    threads = [threading.Thread(target=lambda r=r: got.update({r: comms[r].gather_over_workers({r: rows[r]},
+                                                                                             [0, 1, 2]).wait()}))
+               for r in rows]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for r in rows:
+        first, absent, last = got[r]
+        assert first[0].view(torch.int32).tolist() == rows[0][0].view(torch.int32).tolist()  # -0.0 and NaN kept
+        assert (
+            torch.equal(first[1], rows[0][1]) and torch.equal(last[0], rows[2][0]) and torch.equal(last[1], rows[2][1])
+        )
+        assert all(not t.any() for t in absent) and comms[r].absent == {1} and comms[r].committed
+        # one slot sent: a presence byte, the worker id, the row and the θ digest (not the 3 slots of an all-reduce)
+        assert comms[r].stats.wire_bytes == 1 + 4 + 3 * 4 + 2 + 8
+
+
 def test_slots_carry_each_present_row_bit_for_bit_and_mark_the_absent():
     mine = [torch.tensor([1.5, -0.0, float("nan")]), torch.tensor([7, 255], dtype=torch.uint8)]
     theirs = [torch.tensor([2.0, 3.0, 4.0]), torch.tensor([1, 2], dtype=torch.uint8)]
-    summed = pack_slot(mine, 0, 3) + pack_slot(theirs, 2, 3)  # what the all-reduce of the quorum's buffers gives
+    # what the all-reduce of the quorum's buffers gives where the Manager's group has no all-gather
+    summed = pack_slot(mine, 0, 3) + pack_slot(theirs, 2, 3)
     rows = unpack_slots(summed, mine)
     assert rows[1] is None
     assert rows[0][0].view(torch.int32).tolist() == mine[0].view(torch.int32).tolist()  # -0.0 and NaN kept
@@ -220,15 +301,19 @@ def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_p
     results = [json.loads((tmp_path / f"replica{r}.json").read_text()) for r in range(3)]
     rounds = results[0]["rounds"]
     assert all(r["steps"] == 120 and r["rounds"] == rounds for r in results)
-    starts = _round_starts(results[0])  # each round's first step, by round
+    # each round's first step, by round, over every replica's records (the first quorum may form before all three
+    # ask: a replica slow to start joins at round 1): where their rounds overlap they agree, the same H every round
+    starts: dict[int, int] = {}
+    for result in results:
+        for n, step in _round_starts(result).items():
+            assert starts.setdefault(n, step) == step, (n, step, starts[n])
     last = starts[rounds - 1]  # the rounds add up to the steps (the last one is cut short at 120)
     assert last < 120 <= last + results[0]["history"][-1]["sync_every"]
     assert method == "trainers-auto" or starts == {n: 4 * n for n in starts}  # streaming's H = 4
-    # the survivors never restarted: each ran every round from the one it joined at (the first quorum may form
-    # before all three ask), one or more of them without replica 2
+    # the survivors never restarted: each ran every round from the one it joined at, one or more of them without
+    # replica 2
     for survivor in results[:2]:
         assert [h["round"] for h in survivor["history"]] == list(range(survivor["history"][0]["round"], rounds))
-        assert _round_starts(survivor).items() <= starts.items()  # the same H every round
         assert any(h["absent"] == [2] and h["committed"] for h in survivor["history"])
         dropped = [h["round"] for h in survivor["history"] if not h["committed"]]  # a failed exchange is not redone
         assert len(dropped) <= 1 and all(n >= 1 for n in dropped)  # at most the round replica 2 died in
@@ -236,7 +321,7 @@ def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_p
     rejoined = results[2]
     first = rejoined["history"][0]
     assert rejoined["first_step"] > 6 and starts[first["round"]] == rejoined["first_step"]
-    assert first["healed"] and rejoined["joined_seconds"] < 30 and _round_starts(rejoined).items() <= starts.items()
+    assert first["healed"] and rejoined["joined_seconds"] < 30
     # from there on it trained with them: all three end on the same θ
     assert _same(_theta(tmp_path, 2), _theta(tmp_path, 0)) and _same(_theta(tmp_path, 1), _theta(tmp_path, 0))
     if method == "trainers-auto":  # trainer 2 merged into the others' in a round none of its workers was in
@@ -325,15 +410,16 @@ def test_the_others_train_on_through(tmp_path, fault):
     """A hung replica is cut off after the exchange timeout (streaming: at a fragment's exchange); a lone survivor
     trains alone (with eager outer updates: the round's reports travel apart from Δ, and the dead are absent from
     both); a Lighthouse restarted on its address is found again by every replica. A replica whose θ is not its
-    peers' (as after a restarted Lighthouse formed two quorums that trained apart; here replica 2's θ is moved at
-    step 20) finds it at the round's exchange and heals from a peer at the next round."""
+    peers' (as after a restarted Lighthouse formed two quorums that trained apart; here replica 2's θ is moved once
+    the new Lighthouse is up) finds it at the round's exchange and heals from a peer at the next round."""
     deadline = time.monotonic() + DEADLINE_S
     method = {"a hung replica": "streaming", "two replicas dying in one round": "eager"}.get(fault, "diloco")
     # a hung replica is cut off after the exchange timeout: short; after a Lighthouse restart the quorum's process
     # group forms and a lost quorum request is asked again within it, while the new Lighthouse starts on these 2
     # cores beside the replicas: 4 s was seen to run out (2 runs in 5)
     timeout = "10" if fault == "a restarted lighthouse" else "4"
-    steps = ["--steps", "80", "--step-seconds", "0.05", "--exchange-timeout", timeout, *_METHOD_FLAGS[method]]
+    count = "120" if fault == "a restarted lighthouse" else "80"  # rounds left after the restart, for the heal
+    steps = ["--steps", count, "--step-seconds", "0.05", "--exchange-timeout", timeout, *_METHOD_FLAGS[method]]
     port = _free_port()
     # a restarted Lighthouse forms quorums of a majority (2 of 3): two quorums of fewer could each train on apart
     majority = 2 if fault == "a restarted lighthouse" else 1
@@ -342,7 +428,8 @@ def test_the_others_train_on_through(tmp_path, fault):
         "a hung replica": {2: ["--hang-after", "14"]},
         # at the job's step 14, whichever round each joined at (min_replicas 1: a slow start joins a round late)
         "two replicas dying in one round": {1: ["--die-at", "14"], 2: ["--die-at", "14"]},
-        "a restarted lighthouse": {2: ["--perturb-at", "20"]},
+        # after the restart: a heal in the rounds it disrupts was seen to cost one round more
+        "a restarted lighthouse": {2: ["--perturb-once", str(tmp_path / "perturb")]},
     }[fault]
     try:
         procs = {r: _replica(tmp_path, r, address, *steps, *flags.get(r, [])) for r in range(3)}
@@ -356,6 +443,8 @@ def test_the_others_train_on_through(tmp_path, fault):
             lighthouse.wait(timeout=30)
             time.sleep(1.0)
             lighthouse, _ = _lighthouse(min_replicas=majority, port=port)
+            time.sleep(1.0)
+            (tmp_path / "perturb").touch()
         survivors = [r for r in range(3) if r not in flags or fault == "a restarted lighthouse"]
         assert _finish([procs[r] for r in survivors], deadline) == [0] * len(survivors)
         for r in set(flags) - set(survivors):
@@ -365,15 +454,15 @@ def test_the_others_train_on_through(tmp_path, fault):
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
     histories = _histories(tmp_path, survivors)
-    # at most the round of the fault is dropped (a failed exchange is not redone); with a restarted Lighthouse the
-    # round it falls in, or the next (the heal of the moved replica), can fail its exchange (1 run in 4)
+    # at most the round of the fault is dropped (a failed exchange is not redone); a restarted Lighthouse may cost
+    # the round it falls in
     for history in histories:
         dropped = [h["round"] for h in history if not h["committed"]]
         assert len(dropped) <= 1 and all(n >= 14 // 4 for n in dropped)
         assert sorted(set(flags) - set(survivors)) == history[-1]["absent"]  # the faulty ones are left out at the end
-    if fault == "a restarted lighthouse":  # replica 2 found it at the exchange of round 5 (steps 20-23), healed next
-        moved = histories[2]
-        split = next(i for i, h in enumerate(moved) if h["round"] == 20 // 4)
-        assert moved[split]["diverged"] and moved[split + 1]["healed"]
+    if fault == "a restarted lighthouse":  # replica 2 found it at the exchange of the round it was moved in, once,
+        moved = histories[2]  # and healed at the next
+        split = [i for i, h in enumerate(moved) if h["diverged"]]
+        assert len(split) == 1 and moved[split[0] + 1]["healed"]
     thetas = [_theta(tmp_path, r) for r in survivors]
     assert all(_same(theta, thetas[0]) for theta in thetas)

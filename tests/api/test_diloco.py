@@ -124,7 +124,7 @@ def test_workers_sharded_with_fsdp2_exchange_their_rows_and_resume_from_dcp(tmp_
         adaptive = rank["adaptive"]
         sharded, whole = adaptive["sizes"]
         assert sharded == whole and sharded[0] == 2 and max(sharded) > 2  # b grew, as over the whole workers
-        assert 0 < adaptive["difference"] < 1e-5
+        assert adaptive["difference"] < 1e-5  # with FSDP's division by S not undone it ended 1.7e-2 off
         assert "read different samples for one inner step" in adaptive["refused"]
     by_worker = {}  # measured costs: each worker's ranks weighed the same step cost and chose the same b
     for worker, sizes, timed in (rank["adaptive"]["measured"] for rank in ranks):

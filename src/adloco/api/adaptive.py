@@ -40,7 +40,8 @@ from adloco.worker import backward_in_groups, backward_in_micro_batches
 
 
 class AdaptiveBatch:
-    """One rank's view of its trainer's adaptive batch (every rank of the job is one worker of one trainer).
+    """One rank's view of its trainer's adaptive batch (each rank is one worker of one trainer, or one rank of a
+    worker sharded over several).
 
     ``samples``: what the coming inner step reads; ``plan``: the round's micro-batches; ``backward(loss_fn,
     *tensors)``: the step's backward over those samples, in micro-batches and, on a statistics step, in groups;
@@ -297,7 +298,8 @@ class AdaptiveBatch:
     # -- data ----------------------------------------------------------------------------------------------------
     def sampler(self, dataset_size: int, seed: int = 0, shuffle: bool = True) -> BatchSampler:
         """A batch sampler (``DataLoader(dataset, batch_sampler=...)``) whose every batch is the coming step's
-        ``samples`` indices; epochs follow one another without end. Give each rank its own ``seed``."""
+        ``samples`` indices; epochs follow one another without end. Give each worker its own ``seed`` (the ranks of
+        a sharded worker the same one: they read the worker's whole batch)."""
         return BatchSampler(self, dataset_size, seed, shuffle)
 
     # -- state ---------------------------------------------------------------------------------------------------

@@ -89,18 +89,22 @@ def worker_shards(params: Sequence[torch.Tensor]) -> WorkerShards | None:
 
 def gradient_divisor(model: torch.nn.Module, shards: WorkerShards) -> float:
     """What FSDP divides the sum of a sharded worker's gradients over its ranks by: the shard count unless the
-    user set another factor (``set_gradient_divide_factor``; 1.0 sums). One factor for the whole model, or a
-    one-line error: a backward that splits a step over the ranks undoes it to weigh each rank's samples."""
+    user set another factor (``set_gradient_divide_factor``; 1.0 sums), read when DiLoCo is built. One factor for
+    the whole model, or a one-line error: a backward that splits a step over the ranks undoes it to weigh each
+    rank's samples."""
     from torch.distributed.fsdp import FSDPModule
 
     factors = set()
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or []
-            factors.update(getattr(group, "gradient_divide_factor", None) or float(shards.count) for group in groups)
+            state = module._get_fsdp_state()  # torch names its parameter groups per release
+            groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+            factors.update(getattr(group, "gradient_divide_factor", None) or float(shards.count) for group in groups
+                           if group is not None)  # fmt: skip
     if len(factors) > 1:
         raise ValueError(f"the model's FSDP modules divide their gradients by different factors ({sorted(factors)}): "
-                         "give them one (set_gradient_divide_factor on the root module)")  # fmt: skip
+                         "set one on every FSDP module (set_gradient_divide_factor acts on its own module only) "
+                         "before DiLoCo is built")  # fmt: skip
     return factors.pop() if factors else float(shards.count)
 
 

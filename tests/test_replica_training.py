@@ -254,8 +254,8 @@ def test_a_replica_whose_checkpoint_is_another_models_stops_with_one_line(tmp_pa
 # DiLoCo's rounds: the streaming case's, with fragments; AdLoCo chooses b and H together (on pinned costs)
 @pytest.mark.parametrize("method", [["method=adloco", "batch.size=1", "batch.b_cap=8", *PINNED_PACE,
                                      "sync_auto.max=16"],
-                                    ["method=streaming", "streaming.fragments=2", "streaming.overlap=1",
-                                     "sync_auto.min=4"]],
+                                    pytest.param(["method=streaming", "streaming.fragments=2", "streaming.overlap=1",
+                                                  "sync_auto.min=4"], marks=pytest.mark.stress)],
                          ids=["adloco", "streaming"])  # fmt: skip
 def test_replicas_of_adloco_train_with_sync_every_auto_choose_one_h_that_a_replica_started_again_takes(
     tmp_path, method

@@ -46,6 +46,7 @@ def _free_port() -> int:
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["PYTHONWARNINGS"] = "ignore"
+    env["PYTHONFAULTHANDLER"] = "1"  # a process that aborts in native code prints every thread's Python stack
     return env
 
 
@@ -328,8 +329,8 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_boundary_and_the_resume_is_
 @pytest.mark.parametrize(
     "method",
     [
-        # (DiLoCo's ranks stopping at one round's end: the SIGTERM test above)
-        ["method=ddp"],  # one report per inner step: the request rides in each
+        # (DiLoCo's ranks stopping at one round's end: the SIGTERM test above; DDP's request rides in its report of
+        # every inner step, the same path as DiLoCo's round reports)
         ["method=adloco", "trainers=2", "workers=1", "merge.every=100", "batch.b_cap=4"],  # one trainer per rank
     ],
 )
@@ -353,13 +354,13 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_round(tmp_path, method):
 
 # An elastic job that loses a machine and gets it back: (workers = ranks, token budget so far) per launch.
 ELASTIC = [*BASE, "method=diloco", "sync_every=2", "elastic=true", "checkpoint.every=1", "run.plots=false"]
-RESIZES = [(4, 512), (3, 896), (4, 1408)]
+RESIZES = [(3, 384), (2, 640), (3, 1024)]
 
 
-def test_an_elastic_job_goes_from_4_to_3_to_4_ranks_as_in_one_process(tmp_path):
+def test_an_elastic_job_goes_from_3_to_2_to_3_ranks_as_in_one_process(tmp_path):
     """Each torchrun launch resumes the run with another world size, as a restart after a machine left or joined
     does; the in-process run resized by ``workers=`` on resume (with single-file checkpoints) gives the same bits."""
-    local = train(build_config(overrides=[*ELASTIC, "workers=4", "total_tokens=512", f"run.root={tmp_path}"]))
+    local = train(build_config(overrides=[*ELASTIC, "workers=3", "total_tokens=384", f"run.root={tmp_path}"]))
     for workers, budget in RESIZES[1:]:
         config = resume_config(local.run_dir, [f"workers={workers}", f"total_tokens={budget}"])
         train(config, resume=local.run_dir)
@@ -367,7 +368,7 @@ def test_an_elastic_job_goes_from_4_to_3_to_4_ranks_as_in_one_process(tmp_path):
     # The job writes sharded checkpoints (a file per rank), which each launch reads with another rank count.
     dist = tmp_path / "dist"
     sharded = ["checkpoint.format=sharded", "checkpoint.keep=1"]
-    _torchrun(4, [*ELASTIC, *sharded, "total_tokens=512", f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
+    _torchrun(3, [*ELASTIC, *sharded, "total_tokens=384", f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
     for (before, _), (ranks, budget) in zip(RESIZES, RESIZES[1:], strict=False):
         (newest,) = list_checkpoints(dist / "checkpoints")
         assert sorted(p.name for p in newest.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(before)]
@@ -377,11 +378,11 @@ def test_an_elastic_job_goes_from_4_to_3_to_4_ranks_as_in_one_process(tmp_path):
     assert same_params(final_params(local.run_dir), final_params(dist))
     records = read_metrics(dist / "metrics.jsonl")
     resizes = [(r["workers_before"], r["workers"]) for r in records if r["kind"] == "resize"]
-    assert resizes == [(4, 3), (3, 4)]
+    assert resizes == [(3, 2), (2, 3)]
     rounds = [r for r in records if r["kind"] == "round"]
     local_rounds = [r for r in read_metrics(local.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     assert [r["train_loss"] for r in rounds] == [r["train_loss"] for r in local_rounds]
-    assert [len(r["ranks"]) for r in rounds] == [4, 4, 3, 3, 4, 4]
+    assert [len(r["ranks"]) for r in rounds] == [3, 3, 2, 2, 3, 3]
 
 
 def test_a_damaged_newest_sharded_checkpoint_is_said_once_on_the_console_and_the_one_before_used(tmp_path):

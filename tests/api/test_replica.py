@@ -10,14 +10,16 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from adloco import DiLoCo, build_config
-from adloco.comm.replicas import pack_slot, unpack_slots
+from adloco.comm.replicas import ReplicaCommunicator, pack_slot, unpack_slots
 from adloco.config import ConfigError
 from adloco.replica_training import check_replica_run
 from tests.comm.test_distributed import _env, _free_port
@@ -46,10 +48,89 @@ def _torchft_missing() -> bool:
 needs_torchft = pytest.mark.skipif(_torchft_missing(), reason="torchft (extra 'torchft') unavailable")
 
 
+class _Quorum:
+    """The Manager's process group of a quorum of replicas in one process: each replica's all-gather (from its own
+    thread) waits for the others' and receives every slot, as gloo's does."""
+
+    def __init__(self, size: int) -> None:
+        self.sent: list[torch.Tensor | None] = [None] * size
+        self.barrier = threading.Barrier(size)
+
+    def group(self, rank: int):
+        quorum = self
+
+        class Group:
+            def size(self) -> int:
+                return len(quorum.sent)
+
+            def allgather(self, received, sent, opts):
+                quorum.sent[rank] = sent[0].clone()
+                quorum.barrier.wait(timeout=30)
+                for out, slot in zip(received[0], quorum.sent, strict=True):
+                    out.copy_(slot)
+                done = torch.futures.Future()
+                done.set_result(received)
+                return SimpleNamespace(get_future=lambda: done)
+
+        return Group()
+
+
+class _Manager:
+    """A torchft Manager whose quorum formed and commits, over ``group``."""
+
+    def __init__(self, group) -> None:
+        self._pg = group
+
+    def errored(self):
+        return None
+
+    def wait_quorum(self) -> None:
+        pass
+
+    def is_participating(self) -> bool:
+        return True
+
+    def wrap_future(self, future, default):
+        return future
+
+    def should_commit(self) -> bool:
+        return True
+
+    def report_error(self, error: Exception) -> None:
+        raise error
+
+
+def test_the_exchange_gathers_each_replicas_own_slot_into_worker_order():
+    """Replicas 0 and 2 of 3 in the quorum: each sends its own slot only (its row, its worker id) and both read
+    every present row bit for bit (NaN and −0.0 too) in worker order, zeros for the absent worker 1."""
+    rows = {0: [torch.tensor([1.5, -0.0, float("nan")]), torch.tensor([7, 255], dtype=torch.uint8)],
+            2: [torch.tensor([2.0, 3.0, 4.0]), torch.tensor([1, 2], dtype=torch.uint8)]}  # fmt: skip
+    quorum = _Quorum(2)
+    comms = {r: ReplicaCommunicator(_Manager(quorum.group(i)), r, 3) for i, r in enumerate(rows)}
+    got = {}
+    threads = [threading.Thread(target=lambda r=r: got.update({r: comms[r].gather_over_workers({r: rows[r]},
+                                                                                             [0, 1, 2]).wait()}))
+               for r in rows]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for r in rows:
+        first, absent, last = got[r]
+        assert first[0].view(torch.int32).tolist() == rows[0][0].view(torch.int32).tolist()  # -0.0 and NaN kept
+        assert (
+            torch.equal(first[1], rows[0][1]) and torch.equal(last[0], rows[2][0]) and torch.equal(last[1], rows[2][1])
+        )
+        assert all(not t.any() for t in absent) and comms[r].absent == {1} and comms[r].committed
+        # one slot sent: a presence byte, the worker id, the row and the θ digest (not the 3 slots of an all-reduce)
+        assert comms[r].stats.wire_bytes == 1 + 4 + 3 * 4 + 2 + 8
+
+
 def test_slots_carry_each_present_row_bit_for_bit_and_mark_the_absent():
     mine = [torch.tensor([1.5, -0.0, float("nan")]), torch.tensor([7, 255], dtype=torch.uint8)]
     theirs = [torch.tensor([2.0, 3.0, 4.0]), torch.tensor([1, 2], dtype=torch.uint8)]
-    summed = pack_slot(mine, 0, 3) + pack_slot(theirs, 2, 3)  # what the all-reduce of the quorum's buffers gives
+    # what the all-reduce of the quorum's buffers gives where the Manager's group has no all-gather
+    summed = pack_slot(mine, 0, 3) + pack_slot(theirs, 2, 3)
     rows = unpack_slots(summed, mine)
     assert rows[1] is None
     assert rows[0][0].view(torch.int32).tolist() == mine[0].view(torch.int32).tolist()  # -0.0 and NaN kept

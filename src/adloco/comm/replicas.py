@@ -1,10 +1,12 @@
 """Transport among fault-tolerant replicas: one worker per replica, over a torchft ``Manager``'s process group.
 
 The replicas present in a round are the round's quorum (torchft's Lighthouse forms it); the Manager reconfigures
-its process group to them without a restart. Every exchange is one all-reduce of a byte buffer with a slot per
-worker id: each replica writes its row into its own slot and zeros elsewhere, so the sum is every present
-worker's row, bit for bit (adding exact zeros to bytes changes nothing), in worker-id order whatever the quorum's
-ranks are. A slot whose presence byte stayed 0 is a worker absent from the round. The round's outer step is
+its process group to them without a restart. Every exchange is one all-gather over that group: each replica sends
+its own slot (a presence byte, its worker id and its row's bytes), and every replica lays the slots it receives
+into a byte buffer with a slot per worker id, so it holds every present worker's row, bit for bit, in worker-id
+order whatever the quorum's ranks are. A slot nobody sent is a worker absent from the round. (Where the Manager's
+group offers no all-gather, each replica instead all-reduces the whole buffer with zeros outside its own slot:
+the same bits, twice the bytes a replica sends.) The round's outer step is
 committed only when every replica of the quorum finished the exchange (``Manager.should_commit``); a failed one
 reads as every worker absent, so no outer step is taken from it anywhere.
 
@@ -44,6 +46,19 @@ def pack_slot(row: Sequence[torch.Tensor], slot: int, slots: int, device: torch.
     payload = torch.cat([present, *[_bytes_of(t).to(device) for t in row]])
     buffer = torch.zeros(slots, payload.numel(), dtype=torch.uint8, device=device)
     buffer[slot] = payload
+    return buffer
+
+
+def place_slots(sent: Sequence[torch.Tensor], slots: int) -> torch.Tensor:
+    """The buffer ``pack_slot`` lays out, from the slots an all-gather brought (each: presence byte, the sender's
+    slot index as 4 bytes, its row's bytes); a slot nobody sent stays zero (absent)."""
+    size = sent[0].numel() - 4
+    buffer = torch.zeros(slots, size, dtype=torch.uint8, device=sent[0].device)
+    for slot in sent:
+        if slot[0].item() == 1:
+            index = int(slot[1:5].clone().view(torch.int32)[0])
+            buffer[index, 0] = 1
+            buffer[index, 1:] = slot[5:]
     return buffer
 
 
@@ -118,25 +133,56 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
     def participants(self) -> int:
         return self.manager.num_participants()
 
-    def _all_reduce(self, buffer: torch.Tensor) -> bool:
-        """Sum ``buffer`` over the quorum in place; False when the exchange failed (a replica died in it)."""
+    def _exchange_slots(self, row: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """Every present replica's ``row`` in its slot of a buffer (``pack_slot``'s layout); None when the exchange
+        failed (a replica died in it)."""
+        group = getattr(self.manager, "_pg", None)  # the Manager's reconfigurable group (torchft 0.2)
+        start = time.perf_counter()
+        if callable(getattr(group, "allgather", None)):
+            buffer = self._all_gather(group, row)
+        else:
+            buffer = self._all_reduce(pack_slot(row, self.rank, self.world_size, self.device))
+        self.stats.seconds += time.perf_counter() - start
+        return buffer if self.manager.errored() is None else None
+
+    def _all_gather(self, group: Any, row: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """Each replica sends its own slot; the Manager notes a failure as its own all-reduce does (a failed
+        exchange reads as absent everywhere, and the round does not commit)."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        if self.manager.errored() is not None:
+            return None
+        self.manager.wait_quorum()
+        index = torch.tensor([self.rank], dtype=torch.int32).view(torch.uint8).to(self.device)
+        payload = pack_slot(row, 0, 1, self.device)[0]
+        sent = torch.cat([payload[:1], index, payload[1:]])
+        if not self.manager.is_participating():
+            sent.zero_()  # a replica that takes no part sends an absent slot
+        received = [torch.empty_like(sent) for _ in range(group.size())]
+        try:
+            work = group.allgather([received], [sent], AllgatherOptions())
+            self.manager.wrap_future(work.get_future(), default=None).wait()
+        except Exception as error:  # a replica gone mid-exchange: the round is dropped, as torchft's own ops do
+            self.manager.report_error(error)
+            return None
+        self.stats.wire_bytes += sent.numel()
+        return place_slots(received, self.world_size) if self.manager.errored() is None else None
+
+    def _all_reduce(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Sum ``buffer`` (this replica's row in its slot, zeros elsewhere) over the quorum in place."""
         from torch.distributed import ReduceOp
 
-        start = time.perf_counter()
-        work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
-        work.wait()
-        self.stats.seconds += time.perf_counter() - start
+        self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM).wait()
         self.stats.wire_bytes += buffer.numel()
-        return self.manager.errored() is None
+        return buffer
 
     def _committed_exchange(self, own: list[torch.Tensor]) -> torch.Tensor | None:
-        """The summed slots of the exchange; None when it failed or did not commit. A failed exchange is never
-        redone: its round is dropped, so every quorum the replicas ask for is a round's own, where a replica that
-        fell behind (or joins, or committed less) heals. A redo in a quorum of its own let a joining replica make
-        up the Lighthouse's count for a quorum it was then left out of, locking a survivor out (fault-tolerance.md)."""
-        buffer = pack_slot(own, self.rank, self.world_size, self.device)
-        exchanged = self._all_reduce(buffer)
-        return buffer if self.manager.should_commit() and exchanged else None
+        """The slots of the exchange; None when it failed or did not commit. A failed exchange is never redone: its
+        round is dropped, so every quorum the replicas ask for is a round's own, where a replica that fell behind (or
+        joins, or committed less) heals. A redo in a quorum of its own let a joining replica make up the
+        Lighthouse's count for a quorum it was then left out of, locking a survivor out (fault-tolerance.md)."""
+        buffer = self._exchange_slots(own)
+        return buffer if self.manager.should_commit() and buffer is not None else None
 
     def gather_over_workers(
         self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
@@ -198,8 +244,8 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
     ) -> dict[int, list[float]]:
         """Every present worker's floats, in the round's quorum (no commit of its own)."""
         own = torch.tensor(list(contributions[self.rank]), dtype=torch.float64)
-        buffer = pack_slot([own], self.rank, self.world_size, self.device)
-        if not self._all_reduce(buffer):
+        buffer = self._exchange_slots([own])
+        if buffer is None:
             return {self.rank: own.tolist()}
         rows = unpack_slots(buffer, [own])
         return {w: row[0].tolist() for w, row in enumerate(rows) if row is not None}

@@ -54,9 +54,10 @@ def place_slots(sent: Sequence[torch.Tensor], slots: int) -> torch.Tensor:
     slot index as 4 bytes, its row's bytes); a slot nobody sent stays zero (absent)."""
     size = sent[0].numel() - 4
     buffer = torch.zeros(slots, size, dtype=torch.uint8, device=sent[0].device)
-    for slot in sent:
-        if slot[0].item() == 1:
-            index = int(slot[1:5].clone().view(torch.int32)[0])
+    headers = torch.stack([slot[:5] for slot in sent]).cpu()  # one copy off a GPU, not one sync per slot
+    for slot, header in zip(sent, headers, strict=True):
+        if header[0] == 1:
+            index = int(header[1:5].clone().view(torch.int32)[0])
             buffer[index, 0] = 1
             buffer[index, 1:] = slot[5:]
     return buffer
@@ -118,6 +119,7 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         self._read: dict[tuple[int, ...], int] = {}
         self._like: list[torch.Tensor] = []  # the rows' tensors (every trainer's alike)
         self.keeps_slots = False  # several trainers: the others read the own exchanges' slots (until the round ends)
+        self._gathers = True  # whether the Manager's group all-gathers (else the slots are all-reduced)
 
     def start_round(self) -> None:
         """The round's quorum: blocks until the Lighthouse forms it (at most the quorum timeout)."""
@@ -138,16 +140,21 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         failed (a replica died in it)."""
         group = getattr(self.manager, "_pg", None)  # the Manager's reconfigurable group (torchft 0.2)
         start = time.perf_counter()
-        if callable(getattr(group, "allgather", None)):
-            buffer = self._all_gather(group, row)
-        else:
+        buffer = None
+        if self._gathers and group is not None:
+            try:
+                buffer = self._all_gather(group, row)
+            except NotImplementedError:  # a group without an all-gather (torchft's base class): all-reduce from now on
+                self._gathers = False
+        if not self._gathers or group is None:
             buffer = self._all_reduce(pack_slot(row, self.rank, self.world_size, self.device))
         self.stats.seconds += time.perf_counter() - start
         return buffer if self.manager.errored() is None else None
 
     def _all_gather(self, group: Any, row: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """Each replica sends its own slot; the Manager notes a failure as its own all-reduce does (a failed
-        exchange reads as absent everywhere, and the round does not commit)."""
+        """Each replica sends its own slot. The wait is on this thread, as the Manager's own all-reduce waits (no
+        callback of ours runs on the group's threads); a failure is reported to the Manager, so the exchange reads
+        as absent everywhere and the round does not commit."""
         from torch.distributed.distributed_c10d import AllgatherOptions
 
         if self.manager.errored() is not None:
@@ -158,15 +165,17 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         sent = torch.cat([payload[:1], index, payload[1:]])
         if not self.manager.is_participating():
             sent.zero_()  # a replica that takes no part sends an absent slot
-        received = [torch.empty_like(sent) for _ in range(group.size())]
         try:
+            received = [torch.empty_like(sent) for _ in range(group.size())]
             work = group.allgather([received], [sent], AllgatherOptions())
-            self.manager.wrap_future(work.get_future(), default=None).wait()
+            self.stats.wire_bytes += sent.numel()
+            work.wait()  # bounded by the group's timeout (the exchange timeout)
+        except NotImplementedError:
+            raise
         except Exception as error:  # a replica gone mid-exchange: the round is dropped, as torchft's own ops do
             self.manager.report_error(error)
             return None
-        self.stats.wire_bytes += sent.numel()
-        return place_slots(received, self.world_size) if self.manager.errored() is None else None
+        return place_slots(received, self.world_size)
 
     def _all_reduce(self, buffer: torch.Tensor) -> torch.Tensor:
         """Sum ``buffer`` (this replica's row in its slot, zeros elsewhere) over the quorum in place."""

@@ -92,6 +92,7 @@ class _Manager:
     def __init__(self, group) -> None:
         self._pg = group
         self.error: Exception | None = None
+        self.participating = True
 
     def errored(self):
         return self.error
@@ -100,7 +101,7 @@ class _Manager:
         pass
 
     def is_participating(self) -> bool:
-        return True
+        return self.participating
 
     def should_commit(self) -> bool:
         return self.error is None
@@ -133,6 +134,26 @@ def test_the_exchange_gathers_each_replicas_own_slot_into_worker_order():
         assert all(not t.any() for t in absent) and comms[r].absent == {1} and comms[r].committed
         # one slot sent: a presence byte, the worker id, the row and the θ digest (not the 3 slots of an all-reduce)
         assert comms[r].stats.wire_bytes == 1 + 4 + 3 * 4 + 2 + 8
+
+
+def test_a_replica_that_takes_no_part_in_the_round_sends_an_absent_slot():
+    """Replica 1 is in the quorum's group but not taking part (torchft: it is healing): both read its worker as
+    absent, replica 0's row as sent."""
+    quorum = _Quorum(2)
+    managers = [_Manager(quorum.group(r)) for r in (0, 1)]
+    managers[1].participating = False
+    comms = [ReplicaCommunicator(managers[r], r, 2) for r in (0, 1)]
+    rows = {r: [torch.tensor([1.0 + r, -2.0])] for r in (0, 1)}
+    got = {}
+    threads = [threading.Thread(target=lambda r=r: got.update({r: comms[r].gather_over_workers({r: rows[r]},
+                                                                                             [0, 1]).wait()}))
+               for r in (0, 1)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for r in (0, 1):
+        assert comms[r].absent == {1} and torch.equal(got[r][0][0], rows[0][0]) and not got[r][1][0].any()
 
 
 def test_a_failed_gather_is_reported_and_reads_as_every_worker_absent():

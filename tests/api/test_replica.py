@@ -319,7 +319,7 @@ def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path,
 
 @needs_torchft
 # DiLoCo's: the frameworks' test; AdLoCo's of one trainer: the trainers' after their merges (b grows throughout);
-# eager outer updates: the sharded workers' below; several trainers at a fixed H: adloco train's replicas
+# eager outer updates: the sharded workers' below (stress tier); several trainers at a fixed H: adloco train's replicas
 # (test_replica_training, without a fault)
 @pytest.mark.parametrize("method", ["streaming", "trainers-auto"])
 def test_a_replica_killed_mid_round_is_left_out_and_started_again_heals_from_a_peer(tmp_path, method):

@@ -140,13 +140,13 @@ class ReplicaCommunicator(OneProcessOps, ExchangeMixin):
         failed (a replica died in it)."""
         group = getattr(self.manager, "_pg", None)  # the Manager's reconfigurable group (torchft 0.2)
         start = time.perf_counter()
-        buffer = None
-        if self._gathers and group is not None:
+        gathers = self._gathers and group is not None
+        if gathers:
             try:
                 buffer = self._all_gather(group, row)
             except NotImplementedError:  # a group without an all-gather (torchft's base class): all-reduce from now on
-                self._gathers = False
-        if not self._gathers or group is None:
+                self._gathers = gathers = False
+        if not gathers:
             buffer = self._all_reduce(pack_slot(row, self.rank, self.world_size, self.device))
         self.stats.seconds += time.perf_counter() - start
         return buffer if self.manager.errored() is None else None

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from adloco.algorithms.sparse import TopKCodec
-from adloco.cluster import parameter_fragments
 from adloco.config import ConfigError, build_config
 from adloco.metrics import read_metrics
 from adloco.model import build_model, preset_config
+from adloco.sync.streaming import parameter_fragments
 from adloco.training import train
 from tests.conftest import cut_back, final_params, same_params
 
@@ -127,7 +127,7 @@ def test_topk_sends_exactly_its_payload_with_error_feedback_on_by_default(fast_o
     assert result.val_loss < 5.3
     params = final_params(result.run_dir)
     sizes = [t.numel() for t in params.values()]
-    fragments = parameter_fragments(config, list(params))
+    fragments = parameter_fragments(config.streaming, list(params))
     codec = TopKCodec(0.03, 2, 4096)
     payload = 2 * sum(codec.encoded_nbytes(sum(sizes[i] for i in fragment)) for fragment in fragments)
     sent = _rounds(result.run_dir)[1]["bytes"]

@@ -14,7 +14,6 @@ import torch
 from adloco import cluster_state, trainer_sync
 from adloco.algorithms.batch_tests import GradientStatistics
 from adloco.algorithms.controller import StepCost
-from adloco.algorithms.fragments import assign_fragments
 from adloco.algorithms.schedules import inner_lr
 from adloco.algorithms.sharding import local_shard
 from adloco.algorithms.switch import MicroBatchPlan
@@ -29,6 +28,7 @@ from adloco.placement import placement, rank_placement
 from adloco.probe import CudaMemoryMeter, MemoryMeter, ProcessMemoryMeter, probe_b_max, training_step_at
 from adloco.sync import RoundState, SyncSettings, SyncStrategy, WorkerRound, build_strategy, outer_factory
 from adloco.sync.rounds import BoundaryRequest
+from adloco.sync.streaming import parameter_fragments
 from adloco.tasks import Task
 from adloco.trainer import Trainer
 from adloco.trainer_sync import MergeEvent
@@ -184,7 +184,7 @@ class Cluster:
                 here = sum(rank == self.comm.rank for rank in self.worker_rank.values())  # all on this device
                 b_max = resolve_b_max(config, on_device, self.context, task.vocab_size, task, here)
                 template = template.cpu()
-                fragments = parameter_fragments(config, [name for name, _ in template.named_parameters()])
+                fragments = parameter_fragments(config.streaming, [name for name, _ in template.named_parameters()])
             self.trainers[trainer_id] = self._trainer(trainer_id, template, worker_ids, fragments)
             self.comm.register_group(worker_ids)
             for worker_id in worker_ids:
@@ -425,17 +425,6 @@ def shard_view(comm: Communicator, shards: int) -> Communicator:
         raise ConfigError(f"shards: a worker sharded over {shards} ranks needs torchrun, one process per rank")
     try:
         return comm.shard_view(shards)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-
-
-def parameter_fragments(config: TrainConfig, names: list[str]) -> list[list[int]] | None:
-    """The parameter fragments that sync in turn (streaming); None: one fragment, the whole model."""
-    stream = config.streaming
-    if stream.fragments is None or stream.fragments == 1:
-        return None
-    try:
-        return assign_fragments(names, stream.fragments, stream.assignment, stream.shared)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from adloco.algorithms.sharding import local_rows, shard_rows, sharded_like
 from adloco.algorithms.switch import split_evenly
 from adloco.config import InnerConfig
-from adloco.data import TokenStream
 from adloco.precision import autocast_for
-from adloco.tasks import Task
 from adloco.worker import StepResult, Worker, backward_in_micro_batches
+
+if TYPE_CHECKING:  # FSDP and the model library take seconds to import; a loop that shards nothing never needs them
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from adloco.data import TokenStream
+    from adloco.tasks import Task
 
 
 def sharded_copy(template: torch.nn.Module, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
@@ -46,6 +48,8 @@ def sharded_copy(template: torch.nn.Module, mesh: DeviceMesh, device: torch.devi
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     """``model`` sharded over ``mesh``: every block of its layer lists on its own (so only one block's parameters
     are gathered at a time), then the rest. Gradients are summed over the shards, not averaged."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
     blocks: list[str] = []
     for name, module in model.named_modules():
         inside = any(name.startswith(block + ".") for block in blocks)

@@ -375,3 +375,23 @@ def test_a_state_saved_on_a_gpu_loads_into_a_model_on_the_cpu():
     place = onto_device_of_model(torch.device("cpu"))
     storage = torch.arange(4.0).untyped_storage()
     assert place(storage, "cuda:1") is storage and place(storage, "cpu") is storage
+
+
+def test_a_plain_pytorch_loop_does_not_load_the_model_library():
+    """A loop of plain PyTorch pays for what it uses: DiLoCo over a model that is not an HF one never imports
+    transformers (seconds of every start-up, a restarted replica's too)."""
+    probe = """
+import sys, torch
+from adloco import DiLoCo
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+with DiLoCo(model, optimizer, sync_every=2) as diloco:
+    for _ in range(4):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+print(diloco.rounds.count, "transformers" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["2", "False"]

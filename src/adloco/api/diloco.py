@@ -37,6 +37,7 @@ from adloco.sync import (
     outer_factory,
 )
 from adloco.sync.rounds import SKIPPED_STEP
+from adloco.sync.streaming import parameter_fragments
 from adloco.trainer import Trainer
 from adloco.trainer_sync import MergeEvent, maybe_merge, synchronize
 
@@ -451,8 +452,6 @@ def _trainers(
 ) -> dict[int, Trainer]:
     """The job's trainers, each over its workers (trainer k: ranks k·M … k·M + M − 1), θ from ``params`` for now;
     with the adaptive batch each holds its own ``TrainerBatch``, else a constant one (the loop's own batch)."""
-    from adloco.cluster import parameter_fragments
-
     outer = config.outer
     assert outer.lr is not None and outer.momentum is not None and config.trainers and config.workers
     return {
@@ -466,7 +465,7 @@ def _trainers(
             outer_lr=outer.lr,
             outer_momentum=outer.momentum,
             nesterov=bool(outer.nesterov),
-            fragments=parameter_fragments(config, names),
+            fragments=parameter_fragments(config.streaming, names),
             outer_factory=factory or outer_factory(outer),
         )
         for k, worker_ids in placement(config.trainers, config.workers).items()

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from adloco.algorithms.fragments import mix
+from adloco.algorithms.fragments import assign_fragments, mix
 from adloco.algorithms.schedules import fragments_sending_at
-from adloco.config import StreamingConfig
+from adloco.config import ConfigError, StreamingConfig
 from adloco.sync.base import DeltaStrategy, completed, pending_item
 from adloco.sync.exchange import Exchanged
 from adloco.sync.rounds import RoundState
@@ -88,3 +88,13 @@ class StreamingSync(DeltaStrategy):
         for key, item in pending.items():
             trainer_id, fragment = (int(x) for x in key.split("/"))
             self.pending[(trainer_id, fragment)] = (int(item["due"]), completed(item))
+
+
+def parameter_fragments(stream: StreamingConfig, names: list[str]) -> list[list[int]] | None:
+    """The parameter fragments that sync in turn, by the parameters' ``names``; None: one fragment, the whole model."""
+    if stream.fragments is None or stream.fragments == 1:
+        return None
+    try:
+        return assign_fragments(names, stream.fragments, stream.assignment, stream.shared)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None

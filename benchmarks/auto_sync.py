@@ -9,13 +9,14 @@ line). Every method trains up to ``--tokens`` (its lr schedule spans them) and i
 evaluation reaches ``--target``; the time to the target is interpolated between the two evaluations around it
 (training time: the run's clock minus the evaluations). DDP is stopped after ``--ddp-seconds`` if it has not
 reached the target by then. Each method runs ``--repeats`` times per cell (all methods once, then again) and the
-median counts. Results merge into benchmarks/results/auto_sync.json by cell and method; ``--write`` puts the
-tables into docs/auto-sync.md.
+median counts. Every round is evaluated. Results merge into benchmarks/results/auto_sync.json (``--results``)
+by cell and method; ``--write`` puts the tables into docs/auto-sync.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shlex
 import statistics
@@ -87,8 +88,11 @@ def sync_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def run_one(cell_link: link.Link, method: str, args: argparse.Namespace, name: str, port: int) -> dict[str, Any]:
     ranks = len(cell_link.namespaces)
-    settings = [*link.COMMON, *method_overrides(method, ranks), f"total_tokens={args.tokens}", f"seed={args.seed}"]
-    settings += args.extra
+    # Every round evaluated: with eval.every=2, auto's late 200-step rounds were evaluated 400 steps apart and the
+    # interpolation between them put its crossing late; a fixed H = 50 was read every 100 steps.
+    common = [s for s in link.COMMON if not s.startswith("eval.every=")]
+    settings = [*common, "eval.every=1", *method_overrides(method, ranks), f"total_tokens={args.tokens}"]
+    settings += [f"seed={args.seed}", *args.extra]
     root = args.out
     overrides = [*settings, f"run.root={root}", f"run.name={name}"]
     metrics = root / name / "metrics.jsonl"
@@ -148,7 +152,7 @@ def run_cells(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     runs[method] = [r for r in runs[method] if r.get("repeat") != repeat] + [
                         {**result, "repeat": repeat}
                     ]
-                    save(report)
+                    save(report, args.results)
 
 
 def median_time(runs: Sequence[dict[str, Any]]) -> float | None:
@@ -222,6 +226,20 @@ def verdicts(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def implied_drift(runs: dict[str, Any], codec: str) -> list[tuple[int, int, float]]:
+    """(H1, H2, H_d) for each pair of neighbouring fixed H whose tokens to the target fit the rule's drift cost:
+    tokens ∝ 1 + H/H_d gives H_d = (n1·H2 − n2·H1) / (n2 − n1) (no estimate where the longer rounds took fewer)."""
+    tag = "-fp4" if codec == "fp4" else ""
+    tokens = {}
+    for h in FIXED_H:
+        reached = [r["tokens_to_target"] for r in runs.get(f"diloco{tag}-h{h}", []) if r["tokens_to_target"]]
+        if reached:
+            tokens[h] = statistics.median(reached)
+    found = sorted(tokens)
+    return [(h1, h2, (tokens[h1] * h2 - tokens[h2] * h1) / (tokens[h2] - tokens[h1]))
+            for h1, h2 in itertools.pairwise(found) if tokens[h2] > tokens[h1]]  # fmt: skip
+
+
 def cell_table(key: str, cell: dict[str, Any]) -> str:
     title = f"**{key}** (measured {cell['measured_mbit']:.0f} Mbit/s"
     title += f", {cell['measured_rtt_ms']:.1f} ms RTT)" if cell.get("rtt_ms") is not None else ")"
@@ -237,7 +255,9 @@ def cell_table(key: str, cell: dict[str, Any]) -> str:
         rows.append(f"| {method} | {len(runs)} | {'not reached' if median is None else f'{median:.1f} s'} | {each} | "
                     f"{'—' if not tokens else f'{statistics.median(tokens):,.0f}'} | "
                     f"{runs[0]['bytes'] / 1e6:,.1f} MB | {h_text} |")  # fmt: skip
-    return title + "\n\n" + "\n".join(rows)
+    drift = [f"{codec} H = {a} → {b}: {d:,.0f}" for codec in CODECS for a, b, d in implied_drift(cell["runs"], codec)]
+    note = f"\n\nDrift scale H_d implied by the fixed-H runs' tokens to the target: {'; '.join(drift)}" if drift else ""
+    return title + "\n\n" + "\n".join(rows) + note
 
 
 def in_process(args: argparse.Namespace, report: dict[str, Any]) -> None:
@@ -262,7 +282,7 @@ def in_process(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 results["runs"][key] = {"val_loss": min(final["val_loss"].values()), "seconds": final["seconds"],
                                         "overrides": link.portable(settings), **sync_summary(records)}  # fmt: skip
                 print(f"  {name}: val {results['runs'][key]['val_loss']:.4f}", flush=True)
-                save(report)
+                save(report, args.results)
 
 
 def in_process_text(report: dict[str, Any]) -> str:
@@ -296,13 +316,13 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-def load() -> dict[str, Any]:
-    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {"cells": {}}
+def load(results: Path = RESULTS) -> dict[str, Any]:
+    return json.loads(results.read_text()) if results.exists() else {"cells": {}}
 
 
-def save(report: dict[str, Any]) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+def save(report: dict[str, Any], results: Path = RESULTS) -> None:
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -322,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--job-timeout", type=float, default=1200.0)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "auto_sync")
     parser.add_argument("--write", action="store_true", help="put the tables into docs/auto-sync.md")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the JSON the runs merge into")
     parser.add_argument("extra", nargs="*", help="further overrides for every run")
     args = parser.parse_args(argv)
     args.cells = [c for c in args.cells.split(",") if c]
@@ -332,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.corpus == "python":
         data, _ = link.corpus_overrides("python")
         args.extra = [*data, *args.extra]
-    report = load()
+    report = load(args.results)
     given = argv if argv is not None else sys.argv[1:]
     command = shlex.join(["python", "benchmarks/auto_sync.py", *given]).replace(f"{ROOT}/", "")
     if args.in_process or args.cells:  # a run that only renders the tables keeps the command that measured
@@ -345,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"skipped: {reason}")
             return 0
         run_cells(args, report)
-    save(report)
+    save(report, args.results)
     text = markdown(report)
     print(text)
     if args.write:

@@ -78,15 +78,16 @@ def test_same_seed_same_numbers_and_other_seed_differs(fast_overrides):
         + PINNED_PACE,
         # MuLoCo-style: Muon inner steps, outer Adam per fragment; both optimizers' states go through the checkpoint
         ["method=streaming", "inner.optimizer=muon", "outer.optimizer=adam", "sync_every=4", "streaming.fragments=2"],
-        # H chosen while training (4, 8, 16, ...): the rule's state goes through the checkpoint, and the fragments'
-        # exchanges in flight cross a boundary where H changes
+        # H chosen while training (4, 8, 8, 10, 12, 22: a small drift scale, lengthened as the lr decays): the rule's
+        # state goes through the checkpoint, and the resume starts where H changes, fragments' exchanges in flight
         [
             "method=streaming",
             "sync_every=auto",
             "sync_auto.min=4",
-            "sync_auto.max=16",
+            "sync_auto.max=32",
             "sync_auto.start=4",
-            "total_tokens=2048",
+            "sync_auto.drift_steps=30",
+            "total_tokens=3072",
             *PINNED_PACE,
         ],  # fmt: skip
     ],
@@ -96,13 +97,16 @@ def test_resume_from_a_mid_run_checkpoint_is_bit_identical(method, fast_override
     full = train(config)
     checkpoints = list_checkpoints(full.run_dir / "checkpoints")
     assert len(checkpoints) >= 4
-    # A copy of the run as it was on disk after round 2, as if the process had died then.
-    partial = cut_back(full.run_dir, tmp_path / "partial", keep=2)
+    full_rounds = [r for r in read_metrics(full.run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    keep, h = 2, [r["sync_every"] for r in full_rounds]
+    if "sync_every=auto" in method:  # cut at the first boundary after round 2 where H changes
+        keep = next(n for n in range(2, len(h)) if h[n] != h[n - 1])
+    # A copy of the run as it was on disk after round `keep`, as if the process had died then.
+    partial = cut_back(full.run_dir, tmp_path / "partial", keep=keep)
     resumed = train(config, resume=partial)
     expected, got = final_params(full.run_dir), final_params(partial)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     assert resumed.val_loss == full.val_loss and resumed.tokens == full.tokens
-    full_rounds = [r for r in read_metrics(full.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     resumed_rounds = [r for r in read_metrics(partial / "metrics.jsonl") if r["kind"] == "round"]
     assert [r["round"] for r in resumed_rounds] == [r["round"] for r in full_rounds]
     assert [r["train_loss"] for r in resumed_rounds] == [r["train_loss"] for r in full_rounds]

@@ -295,10 +295,16 @@ class SyncAutoConfig(_Section):
     max: int = Field(200, ge=1, description="Largest H auto may choose (streaming: a multiple of the fragments).")
     start: int = Field(10, ge=1, description="H of the first rounds, until a round's costs are measured.")
     drift_steps: float = Field(
-        1000.0,
+        400.0,
         gt=0,
         description="H_d, the drift scale in inner steps: H* = sqrt(H_d·c/t) for exchange seconds c per round and "
         "compute seconds t per step; larger means longer rounds on the same link. It grows as the inner lr decays.",
+    )
+    lr_stretch: float = Field(
+        20.0,
+        ge=1,
+        description="The most H_d grows as the inner lr decays (H_d / (lr/peak lr), capped at this factor; H* then "
+        "grows by its square root). 1 keeps H_d fixed.",
     )
     max_dispersion: float = Field(
         1.0,

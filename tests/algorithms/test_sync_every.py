@@ -33,6 +33,23 @@ def test_the_drift_scale_grows_as_the_lr_decays_and_is_capped():
     assert drift_scale(1000.0, 0.25) == 4000.0
     assert drift_scale(1000.0, 0.0) == drift_scale(1000.0, 0.05) == 20000.0
     assert drift_scale(1000.0, 3.0) == 1000.0  # above the peak (never, but bounded)
+    assert drift_scale(1000.0, 0.1, max_stretch=4.0) == 4000.0
+    assert drift_scale(1000.0, 0.1, max_stretch=1.0) == 1000.0  # a fixed H_d, whatever the lr
+
+
+def test_the_lr_stretch_bounds_how_far_a_decayed_lr_lengthens_rounds():
+    decided = {}
+    for stretch in (20.0, 4.0, 1.0):
+        rule = _rule(lr_stretch=stretch, high=1000)
+        rule.observe(0.04, 0.6)
+        rule.sync_every, rule.settled = 122, True  # at H* for the peak lr: only the lr phase moves it
+        decided[stretch] = rule.decide(0.01)
+    assert decided[20.0].sync_every == 244  # H* = sqrt(20) × 122 = 548, held to twice the last H
+    assert decided[20.0].drift_steps == 20000.0 and decided[20.0].target == pytest.approx(547.7, abs=0.1)
+    assert decided[4.0].sync_every == 244 and decided[4.0].drift_steps == 4000.0  # H* = 245
+    assert decided[1.0].sync_every == 122 and decided[1.0].reason == "hold"
+    with pytest.raises(ValueError):
+        _rule(lr_stretch=0.5)
 
 
 def test_dispersion_is_the_outer_norm_test():
@@ -46,19 +63,32 @@ def test_dispersion_is_the_outer_norm_test():
     assert math.isnan(dispersion({0: 1.0}, 1.0)) and math.isnan(dispersion({0: 1.0, 1: 1.0}, 0.0))
 
 
-def test_h_waits_for_a_measurement_then_moves_at_most_twofold_per_round():
+def test_h_waits_for_a_measurement_goes_to_h_star_then_moves_at_most_twofold_per_round():
     rule = _rule()
     first = rule.decide(1.0)
     assert (first.sync_every, first.reason) == (10, "measuring")
     rule.observe(0.04, math.nan)  # the first round has no overhead of a previous one
     assert rule.decide(1.0).reason == "measuring"
     seen = []
-    for _ in range(6):
+    for _ in range(3):
         rule.observe(0.04, 0.6)
         seen.append(rule.decide(1.0))
-    assert [d.sync_every for d in seen] == [20, 40, 80, 122, 122, 122]
-    assert [d.reason for d in seen] == ["grow", "grow", "grow", "grow", "hold", "hold"]
+    assert [d.sync_every for d in seen] == [122, 122, 122]  # straight to H* = sqrt(1000 · 0.6 / 0.04) = 122.5
+    assert [d.reason for d in seen] == ["grow", "hold", "hold"]
     assert seen[-1].exposed_fraction == pytest.approx(0.6 / (0.6 + 122 * 0.04))
+    for _ in range(3):
+        rule.observe(0.04, 60.0)  # a link 100x slower: H* far above, reached by doublings
+        seen.append(rule.decide(1.0))
+    assert [d.sync_every for d in seen[3:]] == [200, 200, 200]  # 244 > the bound
+    overflow = _rule()
+    overflow.observe(1e-300, 1e300)  # H* overflows to infinity: the first jump stops at the bound
+    assert (overflow.decide(1.0).sync_every, overflow.decide(1.0).reason) == (200, "max")
+    rule = _rule(high=1000)
+    rule.observe(0.04, 0.6)
+    assert rule.decide(1.0).sync_every == 122
+    rule.observe(0.04, 2.4)  # the running mean: c = 1.5, H* = 194
+    rule.observe(0.04, 6.0)  # c = 3.75, H* = 306: more than twice 122
+    assert [rule.decide(1.0).sync_every, rule.decide(1.0).sync_every] == [244, 306]
 
 
 def test_bounds_multiples_and_the_reasons_at_the_bounds():
@@ -82,7 +112,8 @@ def test_workers_that_went_apart_halve_h_whatever_the_costs_say():
     rule.observe(0.04, 10.0)
     apart = rule.decide(1.0, spread=1.5)
     assert (apart.sync_every, apart.reason, apart.dispersion) == (40, "dispersion", 1.5)
-    assert rule.decide(1.0, spread=0.3).reason != "dispersion"
+    after = rule.decide(1.0, spread=0.3)  # H* = 500 beyond the bound: back up at the pace, not in one jump
+    assert (after.sync_every, after.reason) == (80, "grow")
 
 
 def test_a_decaying_lr_lengthens_the_rounds():
@@ -99,7 +130,12 @@ def test_the_state_round_trips_and_the_planner_follows_the_step_time():
     rule.decide(1.0)
     copy = _rule()
     copy.load_state_dict(rule.state_dict())
-    assert copy.state_dict() == rule.state_dict()
+    assert copy.state_dict() == rule.state_dict() and copy.settled
+    earlier = {k: v for k, v in rule.state_dict().items() if k != "settled"}  # a checkpoint from before the jump
+    copy.load_state_dict(earlier)
+    assert copy.settled  # its exchange was measured: it had decided, and goes on at the 2x pace
+    copy.load_state_dict({**earlier, "exchange_seconds": math.nan})
+    assert not copy.settled
     plan = rule.planner(round_seconds=99.0)  # its own measurement wins over the given overhead
     assert plan(0.05) == pytest.approx(seconds_per_step(0.05, 0.2, rule.length_for(0.05, 0.2), 1000.0))
     assert rule.length_for(0.01, 0.2) > rule.length_for(0.1, 0.2)  # a faster step: longer rounds

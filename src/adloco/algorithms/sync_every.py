@@ -19,8 +19,9 @@ the outer-level norm test: with M workers' pseudo-gradients Δ_i and their mean 
 
 estimates Var(Δ̄)/‖Δ̄‖², the squared relative error of the round's step. Independent noise around a common
 direction keeps δ ≤ 1; δ > 1 says the workers' drifts cancel more than noise would: they went apart. Then H
-halves at once, whatever the costs say. H moves at most ``max_growth``x per round and stays a multiple of
-``multiple`` (streaming's fragment count) within [``low``, ``high``].
+halves at once, whatever the costs say. H starts at ``start``, goes straight to H* once a round's exchange has
+been measured, and from then on moves at most ``max_growth``x per round; it stays a multiple of ``multiple``
+(streaming's fragment count) within [``low``, ``high``].
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 FOLLOW = 0.5  # weight of the newest round in the running means of t and c (as the time-aware controller's)
-LR_FLOOR = 0.05  # the drift scale grows at most 20x as the lr decays
+MAX_LR_STRETCH = 20.0  # the drift scale grows at most this many times as the lr decays (sync_auto.lr_stretch)
 
 
 def best_sync_every(step_seconds: float, exchange_seconds: float, drift_steps: float) -> float:
@@ -46,9 +47,10 @@ def seconds_per_step(step_seconds: float, exchange_seconds: float, h: int, drift
     return (step_seconds + exchange_seconds / h) * (1.0 + h / drift_steps)
 
 
-def drift_scale(base: float, lr_ratio: float) -> float:
-    """H_d at an inner lr of ``lr_ratio`` × its peak (1.0 during warm-up): the base grows as the lr decays."""
-    return base / min(max(lr_ratio, LR_FLOOR), 1.0)
+def drift_scale(base: float, lr_ratio: float, max_stretch: float = MAX_LR_STRETCH) -> float:
+    """H_d at an inner lr of ``lr_ratio`` × its peak (1.0 during warm-up): the base grows as the lr decays, at most
+    ``max_stretch`` times."""
+    return base / min(max(lr_ratio, 1.0 / max_stretch), 1.0)
 
 
 def dispersion(worker_sq: Mapping[int, float], mean_sq: float, weights: Mapping[int, float] | None = None) -> float:
@@ -93,14 +95,20 @@ class AutoSyncEvery:
         max_dispersion: float = 1.0,
         multiple: int = 1,
         max_growth: float = 2.0,
+        lr_stretch: float = MAX_LR_STRETCH,
     ) -> None:
         if not 1 <= low <= high or low % multiple or high % multiple or drift_steps <= 0 or max_growth <= 1.0:
             raise ValueError(f"need 1 <= low <= high, both multiples of {multiple}, drift_steps > 0")
+        if lr_stretch < 1.0:
+            raise ValueError("need lr_stretch >= 1")
+        self.lr_stretch = lr_stretch
         self.low, self.high, self.multiple = low, high, multiple
         self.drift_steps, self.max_dispersion, self.max_growth = drift_steps, max_dispersion, max_growth
         self.sync_every = self._bounded(start)
         self.step_seconds = math.nan  # running means, from the rounds measured so far
         self.exchange_seconds = math.nan
+        self.settled = False  # whether a decision has been made (on measured costs, or by the guard): until then
+        # the first decision on measured costs goes straight to H*, from then on H moves at most max_growth× a round
 
     def _bounded(self, h: float) -> int:
         """``h`` rounded to the nearest multiple of ``multiple`` within [low, high]."""
@@ -109,7 +117,8 @@ class AutoSyncEvery:
 
     def length_for(self, step_seconds: float, exchange_seconds: float, lr_ratio: float = 1.0) -> int:
         """The bounded H* for these costs, with no limit on the move (what a batch decision plans with)."""
-        target = best_sync_every(step_seconds, exchange_seconds, drift_scale(self.drift_steps, lr_ratio))
+        drift = drift_scale(self.drift_steps, lr_ratio, self.lr_stretch)
+        target = best_sync_every(step_seconds, exchange_seconds, drift)
         return self._bounded(min(target, self.high))
 
     def planner(self, round_seconds: float, lr_ratio: float = 1.0) -> Callable[[float], float]:
@@ -117,7 +126,7 @@ class AutoSyncEvery:
         what the time-aware batch controller weighs when b and H are chosen together. ``round_seconds``: the
         exchange seconds to assume until this rule has measured its own."""
         c = self.exchange_seconds if math.isfinite(self.exchange_seconds) else round_seconds
-        drift = drift_scale(self.drift_steps, lr_ratio)
+        drift = drift_scale(self.drift_steps, lr_ratio, self.lr_stretch)
         return lambda t: seconds_per_step(t, c, self.length_for(t, c, lr_ratio), drift)
 
     def observe(self, step_seconds: float, exchange_seconds: float) -> None:
@@ -134,17 +143,18 @@ class AutoSyncEvery:
         """The next round's H from the running costs, the inner lr (``lr_ratio`` of its peak) and the last
         exchange's dispersion ``spread``."""
         t, c, h = self.step_seconds, self.exchange_seconds, self.sync_every
-        drift = drift_scale(self.drift_steps, lr_ratio)
+        drift = drift_scale(self.drift_steps, lr_ratio, self.lr_stretch)
         exposed = c / (c + h * t) if math.isfinite(t) and math.isfinite(c) and c + h * t > 0 else math.nan
         if math.isfinite(spread) and spread > self.max_dispersion:
             target, reason = h / self.max_growth, "dispersion"
-            self.sync_every = self._bounded(target)
+            self.sync_every, self.settled = self._bounded(target), True  # no jump back: grow again at the pace
         elif math.isnan(t) or math.isnan(c):
             target, reason = math.nan, "measuring"
         else:
             target = best_sync_every(t, c, drift)
-            moved = min(max(target, h / self.max_growth), h * self.max_growth)
-            self.sync_every = self._bounded(moved)
+            paced = min(max(target, h / self.max_growth), h * self.max_growth)
+            moved = paced if self.settled else min(target, self.high)
+            self.sync_every, self.settled = self._bounded(moved), True
             reason = self._reason(h, target)
         return SyncDecision(self.sync_every, target, reason, t, c, exposed, drift, spread)
 
@@ -157,9 +167,12 @@ class AutoSyncEvery:
 
     def state_dict(self) -> dict[str, Any]:
         return {"sync_every": self.sync_every, "step_seconds": self.step_seconds,
-                "exchange_seconds": self.exchange_seconds}  # fmt: skip
+                "exchange_seconds": self.exchange_seconds, "settled": self.settled}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sync_every = self._bounded(int(state["sync_every"]))
         self.step_seconds = float(state["step_seconds"])
         self.exchange_seconds = float(state["exchange_seconds"])
+        # a state from before ``settled`` was kept: measured costs mean the rule had decided on them
+        measured = math.isfinite(self.step_seconds) and math.isfinite(self.exchange_seconds)
+        self.settled = bool(state.get("settled", measured))

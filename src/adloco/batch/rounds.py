@@ -185,4 +185,5 @@ def auto_sync_every(config: TrainConfig) -> AutoSyncEvery | None:
     # by more than noise every round, so there the dispersion is recorded but does not shrink H.
     guard = auto.max_dispersion if not config.streaming.alpha else math.inf
     return AutoSyncEvery(low=low, high=high, start=config.first_sync_every, drift_steps=auto.drift_steps,
-                         max_dispersion=guard, multiple=config.streaming.fragments or 1)  # fmt: skip
+                         max_dispersion=guard, multiple=config.streaming.fragments or 1,
+                         lr_stretch=auto.lr_stretch)  # fmt: skip

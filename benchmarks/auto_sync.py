@@ -267,7 +267,7 @@ def in_process(args: argparse.Namespace, report: dict[str, Any]) -> None:
     results = report.setdefault("in_process", {"tokens": args.tokens, "runs": {}})
     for method in args.in_process_methods:
         for seed in args.seeds:
-            for sync in ("10", "auto"):
+            for sync in args.in_process_syncs:
                 key = f"{method}/{seed}/{sync}"
                 settings = ["threads=1", "run.progress=false", "run.save_final=false", "run.plots=false",
                             "checkpoint.every=1000000", f"total_tokens={args.tokens}", f"seed={seed}",
@@ -338,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--in-process", action="store_true", help="auto vs H = 10 in one process, equal tokens")
     parser.add_argument("--seeds", default="0,1", help="seeds of --in-process")
     parser.add_argument("--in-process-methods", default="diloco,adloco", help="methods of --in-process")
+    parser.add_argument("--in-process-syncs", default="10,auto", help="H of --in-process: 10, auto or both")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--job-timeout", type=float, default=1200.0)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "auto_sync")
@@ -349,6 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.methods = args.methods.split(",") if args.methods else methods_of(args.codecs.split(","))
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.in_process_methods = args.in_process_methods.split(",")
+    args.in_process_syncs = args.in_process_syncs.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.corpus == "python":
         data, _ = link.corpus_overrides("python")

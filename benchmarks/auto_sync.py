@@ -1,6 +1,6 @@
 """``sync_every=auto`` against fixed H: time to a target loss over real links, and loss at equal tokens in one process.
 
-    python benchmarks/auto_sync.py --cells 2:100,2:1000,2:100@50 --target 2.05 --repeats 2 --write
+    python benchmarks/auto_sync.py --cells 2:100,2:1000,2:100@50 --target 2.05 --repeats 3 --write
     python benchmarks/auto_sync.py --cells 4:100 --target 2.2 --methods diloco-h10,diloco-auto
     python benchmarks/auto_sync.py --in-process --tokens 512000 --write     # auto vs H = 10, no link
 
@@ -8,9 +8,10 @@ A cell is RANKS:RATE (a tbf link of RATE Mbit/s, as benchmarks/link.py builds it
 line). Every method trains up to ``--tokens`` (its lr schedule spans them) and is stopped once a periodic
 evaluation reaches ``--target``; the time to the target is interpolated between the two evaluations around it
 (training time: the run's clock minus the evaluations). DDP is stopped after ``--ddp-seconds`` if it has not
-reached the target by then. Each method runs ``--repeats`` times per cell (all methods once, then again) and the
-median counts. Every round is evaluated. Results merge into benchmarks/results/auto_sync.json (``--results``)
-by cell and method; ``--write`` puts the tables into docs/auto-sync.md.
+reached the target by then. Each method runs ``--repeats`` times per cell (all methods once, then again), repeat r
+at seed ``--seed`` + r, and the median counts; the methods of ``--once`` (DDP, H = 10) run in the first repeat
+only. Every round is evaluated. Results merge into benchmarks/results/auto_sync.json (``--results``) by cell and
+method; ``--write`` puts the tables into docs/auto-sync.md.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def interpolated_time(records: Sequence[dict[str, Any]], target: float) -> tuple
 
 
 def sync_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The H of every round, and the reasons auto gave."""
+    """The H of every round, the reasons auto gave and the workers' dispersion δ at each round's end."""
     rounds = [r for r in records if r["kind"] == "round"]
     hs = [int(r.get("sync_every") or r["steps"]) for r in rounds]
     reasons: dict[str, int] = {}
@@ -83,16 +84,19 @@ def sync_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         reason = (r.get("sync") or {}).get("reason")
         if reason:
             reasons[reason] = reasons.get(reason, 0) + 1
-    return {"h": hs, "reasons": reasons}
+    spread = [(r.get("sync") or {}).get("dispersion") for r in rounds]
+    return {"h": hs, "reasons": reasons, "dispersion": [None if d is None else round(d, 4) for d in spread]}
 
 
-def run_one(cell_link: link.Link, method: str, args: argparse.Namespace, name: str, port: int) -> dict[str, Any]:
+def run_one(
+    cell_link: link.Link, method: str, args: argparse.Namespace, name: str, port: int, seed: int
+) -> dict[str, Any]:
     ranks = len(cell_link.namespaces)
     # Every round evaluated: with eval.every=2, auto's late 200-step rounds were evaluated 400 steps apart and the
     # interpolation between them put its crossing late; a fixed H = 50 was read every 100 steps.
     common = [s for s in link.COMMON if not s.startswith("eval.every=")]
     settings = [*common, "eval.every=1", *method_overrides(method, ranks), f"total_tokens={args.tokens}"]
-    settings += [f"seed={args.seed}", *args.extra]
+    settings += [f"seed={seed}", *args.extra]
     root = args.out
     overrides = [*settings, f"run.root={root}", f"run.name={name}"]
     metrics = root / name / "metrics.jsonl"
@@ -117,6 +121,7 @@ def run_one(cell_link: link.Link, method: str, args: argparse.Namespace, name: s
     reached = interpolated_time(records, args.target)
     summary.update(time_to_target=reached[0] if reached else None, tokens_to_target=reached[1] if reached else None)
     summary.update(sync_summary(records), overrides=link.portable(settings), wall_seconds=time.monotonic() - started)
+    summary.update(seed=seed)
     figure = "not reached" if reached is None else f"{reached[0]:.1f} s"
     print(f"  {name}: {figure} (val {summary['val_loss']:.4f}, {summary['seconds']:.1f} s)", flush=True)
     return summary
@@ -139,15 +144,18 @@ def run_cells(args: argparse.Namespace, report: dict[str, Any]) -> None:
         key = cell_key(ranks, rate, rtt, args.corpus)
         with link.measured_link(ranks, rate, rtt) as (cell_link, measured):
             cell = report["cells"].setdefault(key, {})
-            cell.update(measured, target=args.target, tokens=args.tokens, corpus=args.corpus)
+            seeds = [args.seed + repeat for repeat in range(args.repeats)]
+            cell.update(measured, target=args.target, tokens=args.tokens, corpus=args.corpus, seeds=seeds)
             runs = cell.setdefault("runs", {})
             for repeat in range(args.repeats):
                 for method in args.methods:
-                    if method == "ddp" and repeat > 0:
-                        continue  # its time is bounded by --ddp-seconds; once is enough to place it
+                    if method in args.once and repeat > 0:
+                        continue  # DDP's time is bounded by --ddp-seconds, H = 10 is never the best: once places it
                     port += 1
                     name = f"{key.replace('/', '-')}-{method}-r{repeat}"
-                    result = run_one(cell_link, method, args, name, port)
+                    # A repeat is another seed: at one seed a fixed H repeats its tokens to the bit and only the
+                    # clock varies, while the seed alone moves the tokens to a target by about as much as H does
+                    result = run_one(cell_link, method, args, name, port, args.seed + repeat)
                     runs.setdefault(method, [])
                     runs[method] = [r for r in runs[method] if r.get("repeat") != repeat] + [
                         {**result, "repeat": repeat}
@@ -196,6 +204,15 @@ def cell_checks(key: str, cell: dict[str, Any]) -> list[dict[str, Any]]:
     return checks
 
 
+def ratio_text(ratio: float, bound: float) -> str:
+    """``ratio`` to two decimals, or more where two would read as ``bound`` itself but fall on its other side."""
+    for digits in (2, 3, 4):
+        text = f"{ratio:.{digits}f}"
+        if float(text) != bound or ratio == bound:
+            break
+    return f"{text}×"
+
+
 def verdicts(report: dict[str, Any]) -> list[str]:
     checks = [c for key, cell in sorted(report["cells"].items()) for c in cell_checks(key, cell)]
     lines = []
@@ -203,20 +220,21 @@ def verdicts(report: dict[str, Any]) -> list[str]:
         auto = c["auto_vs_best"]
         met = auto is not None and auto <= AUTO_VS_BEST
         h10 = "—" if c["auto_vs_h10"] is None else f"{c['auto_vs_h10']:.2f}×"
-        auto_text = "auto did not reach the target" if auto is None else f"{auto:.2f}×"
+        auto_text = "auto did not reach the target" if auto is None else ratio_text(auto, AUTO_VS_BEST)
         lines.append(f"- {c['cell']}, {c['codec']}: auto against the best fixed H ({c['best']}) {auto_text}: "
                      f"**{'met' if met else 'not met'}** (≤ {AUTO_VS_BEST}×); against H = 10 {h10}")  # fmt: skip
     ratios = [c["auto_vs_best"] if c["auto_vs_best"] is not None else float("inf") for c in checks]
     if ratios:
         median = statistics.median(ratios)
-        lines.append(f"- median over {len(ratios)} cell(s) of auto against the best fixed H: {median:.2f}×: "
+        lines.append(f"- median over {len(ratios)} cell(s) of auto against the best fixed H: "
+                     f"{ratio_text(median, AUTO_MEDIAN)}: "
                      f"**{'met' if median <= AUTO_MEDIAN else 'not met'}** (≤ {AUTO_MEDIAN}×)")  # fmt: skip
     # A cell is a link and a codec, for AdLoCo as for auto: each against the best fixed-H DiLoCo of its codec.
     adloco = [c["adloco_vs_best"] for c in checks if c["adloco_seconds"] is not None or c["codec"] == "fp32"]
     if adloco:
         within = sum(r is not None and r <= ADLOCO_VS_BEST for r in adloco)
         never = all(r is not None and r <= ADLOCO_NEVER for r in adloco)
-        figures = ", ".join("not reached" if r is None else f"{r:.2f}×" for r in adloco)
+        figures = ", ".join("not reached" if r is None else ratio_text(r, ADLOCO_NEVER) for r in adloco)
         met = within * 2 >= len(adloco) and never
         verdict = "met" if met else "not met"
         above = sum(r is None or r > ADLOCO_NEVER for r in adloco)
@@ -240,24 +258,52 @@ def implied_drift(runs: dict[str, Any], codec: str) -> list[tuple[int, int, floa
             for h1, h2 in itertools.pairwise(found) if tokens[h2] > tokens[h1]]  # fmt: skip
 
 
+def seeds_of(cell: dict[str, Any]) -> str:
+    seeds = sorted({r.get("seed", 0) for runs in cell["runs"].values() for r in runs})
+    return f"seed {seeds[0]}, each repeat again" if len(seeds) == 1 else f"repeat r at seed {seeds[0]} + r"
+
+
+def tokens_text(runs: Sequence[dict[str, Any]]) -> str:
+    """The median tokens to the target, and each run's in thousands where the runs differ."""
+    tokens = [r["tokens_to_target"] for r in runs if r["tokens_to_target"] is not None]
+    if not tokens:
+        return "—"
+    each = "" if len(set(tokens)) < 2 else f" ({', '.join(f'{t / 1e3:.0f}k' for t in tokens)})"
+    return f"{statistics.median(tokens):,.0f}{each}"
+
+
 def cell_table(key: str, cell: dict[str, Any]) -> str:
     title = f"**{key}** (measured {cell['measured_mbit']:.0f} Mbit/s"
     title += f", {cell['measured_rtt_ms']:.1f} ms RTT)" if cell.get("rtt_ms") is not None else ")"
-    title += f"; target val loss {cell['target']}, budget {cell['tokens']:,} tokens"
+    title += f"; target val loss {cell['target']}, budget {cell['tokens']:,} tokens; {seeds_of(cell)}"
     rows = ["| method | runs | time to target (median) | each run | tokens to target | bytes | H over the rounds |",
             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for method, runs in cell["runs"].items():
         median = median_time(runs)
         each = ", ".join("—" if r["time_to_target"] is None else f"{r['time_to_target']:.1f}" for r in runs)
-        tokens = [r["tokens_to_target"] for r in runs if r["tokens_to_target"] is not None]
         hs = runs[0]["h"]
         h_text = f"{hs[0]}" if len(set(hs)) == 1 else f"{hs[0]} → {max(hs)} (median {statistics.median(hs):g})"
         rows.append(f"| {method} | {len(runs)} | {'not reached' if median is None else f'{median:.1f} s'} | {each} | "
-                    f"{'—' if not tokens else f'{statistics.median(tokens):,.0f}'} | "
-                    f"{runs[0]['bytes'] / 1e6:,.1f} MB | {h_text} |")  # fmt: skip
+                    f"{tokens_text(runs)} | {runs[0]['bytes'] / 1e6:,.1f} MB | {h_text} |")  # fmt: skip
     drift = [f"{codec} H = {a} → {b}: {d:,.0f}" for codec in CODECS for a, b, d in implied_drift(cell["runs"], codec)]
     note = f"\n\nDrift scale H_d implied by the fixed-H runs' tokens to the target: {'; '.join(drift)}" if drift else ""
+    spread = [f"{method.removeprefix('diloco-')} {d:.2f}" for method, d in late_dispersion(cell["runs"]).items()]
+    if spread:
+        note += f"\n\nWorkers' dispersion δ over the second half of each run's rounds (median): {', '.join(spread)}"
     return title + "\n\n" + "\n".join(rows) + note
+
+
+def late_dispersion(runs: dict[str, Any]) -> dict[str, float]:
+    """Per fixed-H method, the median δ over the second half of every run's rounds (where it has settled)."""
+    found = {}
+    for method, method_runs in runs.items():
+        if "-h" not in method:
+            continue
+        late = [d for r in method_runs for d in r.get("dispersion", [])[len(r.get("dispersion", [])) // 2 :]]
+        late = [d for d in late if d is not None]
+        if late:
+            found[method] = statistics.median(late)
+    return found
 
 
 def in_process(args: argparse.Namespace, report: dict[str, Any]) -> None:
@@ -308,7 +354,7 @@ def in_process_text(report: dict[str, Any]) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    head = (f"Measured {report['date']} on {report['machine']}, one thread per rank, seed 0; the last command was "
+    head = (f"Measured {report['date']} on {report['machine']}, one thread per rank; the last command was "
             f"`{report['command']}`, earlier invocations merged in (each cell and the one-process block say their "
             "own settings).")  # fmt: skip
     tables = [cell_table(k, c) for k, c in sorted(report["cells"].items())]
@@ -339,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1", help="seeds of --in-process")
     parser.add_argument("--in-process-methods", default="diloco,adloco", help="methods of --in-process")
     parser.add_argument("--in-process-syncs", default="10,auto", help="H of --in-process: 10, auto or both")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the first repeat's seed; repeat r takes seed + r")
+    parser.add_argument("--once", default="ddp,diloco-h10,diloco-fp4-h10", help="methods run in the first repeat only")
     parser.add_argument("--job-timeout", type=float, default=1200.0)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "auto_sync")
     parser.add_argument("--write", action="store_true", help="put the tables into docs/auto-sync.md")
@@ -349,6 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.cells = [c for c in args.cells.split(",") if c]
     args.methods = args.methods.split(",") if args.methods else methods_of(args.codecs.split(","))
     args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.once = set(args.once.split(","))
     args.in_process_methods = args.in_process_methods.split(",")
     args.in_process_syncs = args.in_process_syncs.split(",")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -133,20 +134,21 @@ def parse_cell(text: str) -> tuple[int, int, float | None]:
     return int(ranks), int(rate), float(rtt) if rtt else None
 
 
-def cell_key(ranks: int, rate: int, rtt: float | None, corpus: str) -> str:
-    return f"{corpus}/{ranks}r/{rate}mbit" + ("" if rtt is None else f"@{rtt:g}ms")
+def cell_key(ranks: int, rate: int, rtt: float | None, corpus: str, tag: str = "") -> str:
+    return f"{corpus}/{ranks}r/{rate}mbit" + ("" if rtt is None else f"@{rtt:g}ms") + (f"/{tag}" if tag else "")
 
 
 def run_cells(args: argparse.Namespace, report: dict[str, Any]) -> None:
     port = 29800
     for text in args.cells:
         ranks, rate, rtt = parse_cell(text)
-        key = cell_key(ranks, rate, rtt, args.corpus)
+        key = cell_key(ranks, rate, rtt, args.corpus, args.tag)
         with link.measured_link(ranks, rate, rtt) as (cell_link, measured):
             cell = report["cells"].setdefault(key, {})
-            seeds = [args.seed + repeat for repeat in range(args.repeats)]
-            cell.update(measured, target=args.target, tokens=args.tokens, corpus=args.corpus, seeds=seeds)
+            cell.update(measured, target=args.target, tokens=args.tokens, corpus=args.corpus)
             runs = cell.setdefault("runs", {})
+            for method in args.methods:
+                runs.pop(method, None)  # a method measured again replaces all its runs, whatever their seeds
             for repeat in range(args.repeats):
                 for method in args.methods:
                     if method in args.once and repeat > 0:
@@ -156,10 +158,7 @@ def run_cells(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     # A repeat is another seed: at one seed a fixed H repeats its tokens to the bit and only the
                     # clock varies, while the seed alone moves the tokens to a target by about as much as H does
                     result = run_one(cell_link, method, args, name, port, args.seed + repeat)
-                    runs.setdefault(method, [])
-                    runs[method] = [r for r in runs[method] if r.get("repeat") != repeat] + [
-                        {**result, "repeat": repeat}
-                    ]
+                    runs.setdefault(method, []).append({**result, "repeat": repeat})
                     save(report, args.results)
 
 
@@ -204,11 +203,11 @@ def cell_checks(key: str, cell: dict[str, Any]) -> list[dict[str, Any]]:
     return checks
 
 
-def ratio_text(ratio: float, bound: float) -> str:
-    """``ratio`` to two decimals, or more where two would read as ``bound`` itself but fall on its other side."""
-    for digits in (2, 3, 4):
+def ratio_text(ratio: float, *bounds: float) -> str:
+    """``ratio`` to two decimals, or as many more as it takes not to read as one of ``bounds`` it is not."""
+    for digits in range(2, 10):
         text = f"{ratio:.{digits}f}"
-        if float(text) != bound or ratio == bound:
+        if all(float(text) != bound or ratio == bound for bound in bounds):
             break
     return f"{text}×"
 
@@ -234,7 +233,7 @@ def verdicts(report: dict[str, Any]) -> list[str]:
     if adloco:
         within = sum(r is not None and r <= ADLOCO_VS_BEST for r in adloco)
         never = all(r is not None and r <= ADLOCO_NEVER for r in adloco)
-        figures = ", ".join("not reached" if r is None else ratio_text(r, ADLOCO_NEVER) for r in adloco)
+        figures = ", ".join("not reached" if r is None else ratio_text(r, ADLOCO_VS_BEST, ADLOCO_NEVER) for r in adloco)
         met = within * 2 >= len(adloco) and never
         verdict = "met" if met else "not met"
         above = sum(r is None or r > ADLOCO_NEVER for r in adloco)
@@ -259,17 +258,18 @@ def implied_drift(runs: dict[str, Any], codec: str) -> list[tuple[int, int, floa
 
 
 def seeds_of(cell: dict[str, Any]) -> str:
+    """The seeds the cell's runs took (runs from before seeds were recorded took seed 0)."""
     seeds = sorted({r.get("seed", 0) for runs in cell["runs"].values() for r in runs})
-    return f"seed {seeds[0]}, each repeat again" if len(seeds) == 1 else f"repeat r at seed {seeds[0]} + r"
+    return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
 
 
 def tokens_text(runs: Sequence[dict[str, Any]]) -> str:
-    """The median tokens to the target, and each run's in thousands where the runs differ."""
-    tokens = [r["tokens_to_target"] for r in runs if r["tokens_to_target"] is not None]
-    if not tokens:
-        return "—"
-    each = "" if len(set(tokens)) < 2 else f" ({', '.join(f'{t / 1e3:.0f}k' for t in tokens)})"
-    return f"{statistics.median(tokens):,.0f}{each}"
+    """The median tokens to the target (a run that did not reach it counts as endless, as for the time), and each
+    run's in thousands where the runs differ."""
+    tokens = [r["tokens_to_target"] for r in runs]
+    median = statistics.median([math.inf if t is None else t for t in tokens])
+    each = "" if len(set(tokens)) < 2 else f" ({', '.join('—' if t is None else f'{t / 1e3:.0f}k' for t in tokens)})"
+    return ("—" if median == math.inf else f"{median:,.0f}") + each
 
 
 def cell_table(key: str, cell: dict[str, Any]) -> str:
@@ -294,7 +294,8 @@ def cell_table(key: str, cell: dict[str, Any]) -> str:
 
 
 def late_dispersion(runs: dict[str, Any]) -> dict[str, float]:
-    """Per fixed-H method, the median δ over the second half of every run's rounds (where it has settled)."""
+    """Per fixed-H method, the median δ over the second half of every run's rounds (where it has settled), its
+    runs' rounds pooled."""
     found = {}
     for method, method_runs in runs.items():
         if "-h" not in method:
@@ -376,11 +377,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cells", default="", help="RANKS:RATE or RANKS:RATE@RTT, comma-separated")
     parser.add_argument("--target", type=float, default=2.05, help="validation loss to reach")
     parser.add_argument("--tokens", type=int, default=512_000, help="every run's token budget")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each method per cell, each at its own seed")
     parser.add_argument("--codecs", default="fp32", help="fp32,fp4")
     parser.add_argument("--methods", help="comma-separated subset (default: all of --codecs)")
     parser.add_argument("--ddp-seconds", type=float, default=240.0)
     parser.add_argument("--corpus", choices=["shakespeare", "python"], default="shakespeare")
+    parser.add_argument("--tag", default="", help="a name that keeps another target or budget on a link apart")
     parser.add_argument("--in-process", action="store_true", help="auto vs H = 10 in one process, equal tokens")
     parser.add_argument("--seeds", default="0,1", help="seeds of --in-process")
     parser.add_argument("--in-process-methods", default="diloco,adloco", help="methods of --in-process")

@@ -1,0 +1,53 @@
+"""benchmarks/auto_sync.py: the verdicts' figures, medians over seeds and the dispersion summary of a cell."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(_BENCHMARKS))  # the benchmark imports its sibling link.py by name
+_spec = importlib.util.spec_from_file_location("adloco_auto_sync_benchmark", _BENCHMARKS / "auto_sync.py")
+auto_sync = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = auto_sync
+_spec.loader.exec_module(auto_sync)
+
+
+def _run(seconds, tokens, seed, h=50, dispersion=()):
+    return {"time_to_target": seconds, "tokens_to_target": tokens, "seed": seed, "h": [h], "bytes": 1e6,
+            "dispersion": list(dispersion)}  # fmt: skip
+
+
+def test_a_ratio_that_rounds_onto_a_bound_gets_the_digits_that_tell_its_side():
+    assert auto_sync.ratio_text(1.1014, 1.1) == "1.101×"  # "1.10×" would read as meeting ≤ 1.1
+    assert auto_sync.ratio_text(0.9003, 0.9, 1.1) == "0.9003×"  # against each bound it is given
+    assert auto_sync.ratio_text(1.0996, 1.1) == "1.0996×"  # on the meeting side too: "1.10×" is ambiguous
+    assert auto_sync.ratio_text(1.1, 1.1) == "1.10×"  # on the bound itself, two decimals say it
+    assert auto_sync.ratio_text(1.0432, 1.1, 0.95) == "1.04×"
+
+
+def test_a_run_that_missed_the_target_counts_as_endless_in_tokens_as_in_time():
+    runs = [_run(40.0, 500_000, 0), _run(None, None, 1), _run(42.0, 520_000, 2)]
+    assert auto_sync.median_time(runs) == 42.0
+    assert auto_sync.tokens_text(runs) == "520,000 (500k, —, 520k)"
+    assert auto_sync.tokens_text([_run(None, None, 0)]) == "—"
+
+
+def test_the_table_names_the_seeds_its_runs_took():
+    cell = {"runs": {"ddp": [{"h": [10]}], "diloco-h50": [_run(1.0, 1, 0), _run(1.0, 1, 1), _run(1.0, 1, 2)]}}
+    assert auto_sync.seeds_of(cell) == "seeds 0, 1, 2"
+    assert auto_sync.seeds_of({"runs": {"ddp": [{"h": [10]}]}}) == "seed 0"
+
+
+def test_dispersion_is_summarised_per_fixed_h_over_the_second_half_of_each_run():
+    runs = {
+        "diloco-h10": [_run(1.0, 1, 0, 10, [9.0, 9.0, 0.4, 0.5])],  # the early rounds are left out
+        "diloco-h100": [_run(1.0, 1, 0, 100, [9.0, 0.3]), _run(1.0, 1, 1, 100, [9.0, None, 0.2])],
+        "diloco-auto": [_run(1.0, 1, 0, 90, [0.1, 0.1])],
+    }
+    assert auto_sync.late_dispersion(runs) == {"diloco-h10": 0.45, "diloco-h100": 0.25}
+
+
+def test_the_best_fixed_h_is_the_least_median_over_seeds_not_the_luckiest_run():
+    runs = {"diloco-h50": [_run(40.0, 1, 0), _run(44.0, 1, 1), _run(45.0, 1, 2)],
+            "diloco-h100": [_run(35.0, 1, 0), _run(46.0, 1, 1), _run(47.0, 1, 2)]}  # fmt: skip
+    assert auto_sync.best_fixed(runs, "fp32") == ("diloco-h50", 44.0)

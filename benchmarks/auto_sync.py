@@ -162,13 +162,14 @@ def run_cells(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     save(report, args.results)
 
 
-def median_time(runs: Sequence[dict[str, Any]]) -> float | None:
-    """The median time to target over repeats; a repeat that did not reach it counts as infinitely slow."""
-    times = [r["time_to_target"] if r["time_to_target"] is not None else float("inf") for r in runs]
-    if not times:
+def median_time(runs: Sequence[dict[str, Any]], field: str = "time_to_target") -> float | None:
+    """The median over repeats of ``field`` (time or tokens to the target); a repeat that did not reach the target
+    counts as endless, and an endless median is None."""
+    values = [math.inf if r[field] is None else r[field] for r in runs]
+    if not values:
         return None
-    value = statistics.median(times)
-    return None if value == float("inf") else value
+    value = statistics.median(values)
+    return None if value == math.inf else value
 
 
 def best_fixed(runs: dict[str, Any], codec: str) -> tuple[str | None, float | None]:
@@ -267,9 +268,9 @@ def tokens_text(runs: Sequence[dict[str, Any]]) -> str:
     """The median tokens to the target (a run that did not reach it counts as endless, as for the time), and each
     run's in thousands where the runs differ."""
     tokens = [r["tokens_to_target"] for r in runs]
-    median = statistics.median([math.inf if t is None else t for t in tokens])
+    median = median_time(runs, "tokens_to_target")
     each = "" if len(set(tokens)) < 2 else f" ({', '.join('—' if t is None else f'{t / 1e3:.0f}k' for t in tokens)})"
-    return ("—" if median == math.inf else f"{median:,.0f}") + each
+    return ("—" if median is None else f"{median:,.0f}") + each
 
 
 def cell_table(key: str, cell: dict[str, Any]) -> str:
@@ -300,8 +301,8 @@ def late_dispersion(runs: dict[str, Any]) -> dict[str, float]:
     for method, method_runs in runs.items():
         if "-h" not in method:
             continue
-        late = [d for r in method_runs for d in r.get("dispersion", [])[len(r.get("dispersion", [])) // 2 :]]
-        late = [d for d in late if d is not None]
+        series = [r.get("dispersion", []) for r in method_runs]
+        late = [d for spread in series for d in spread[len(spread) // 2 :] if d is not None]
         if late:
             found[method] = statistics.median(late)
     return found

@@ -538,6 +538,10 @@ def report() -> str:
         "sharded with FSDP2 over 2 ranks against one rank per worker: 0.50× the bytes per rank per round, "
         "0.73× the peak memory above the process floor, the same loss to four decimals (`python "
         "benchmarks/sharded_loop.py --write`; `results/sharded_loop.json`).",
+        "- [auto-sync.md](auto-sync.md#measured): `sync_every=auto` and AdLoCo against DiLoCo at fixed H = 10 "
+        "to 100 over real links, time to a target loss over three seeds (`sudo python benchmarks/auto_sync.py`; "
+        "`results/auto_sync.json`), and other shapes of H over a run priced from those links (`python "
+        "benchmarks/sync_schedules.py --write`; `results/sync_schedules.json`).",
         "- [reproduction.md](reproduction.md): the paper's claims against these measurements.",
         "",
     ]

@@ -3,6 +3,7 @@
 import pytest
 
 from adloco import build_config, train
+from adloco.batch.rounds import auto_sync_every
 from adloco.config import ConfigError
 from adloco.records import read_metrics
 from tests.conftest import PINNED_PACE
@@ -26,10 +27,24 @@ def test_auto_follows_the_pinned_costs_within_its_bounds_and_says_why(fast_overr
     assert first["exposed_fraction"] == pytest.approx(0.05 / (0.05 + 2 * 0.024))
     assert all(r["sync"]["dispersion"] is not None and r["sync"]["dispersion"] >= 0 for r in rounds)
     assert rounds[-1]["tokens"] == 2048
+    steep = train(build_config(overrides=[*fast_overrides, *bounds, *PINNED_PACE, "sync_auto.lr_power=2"]))
+    steep_first = _rounds(steep.run_dir)[0]["sync"]  # the same lr: H_d = 400 (peak/lr)^2 where it was 400 peak/lr
+    assert steep_first["drift_steps"] == pytest.approx(first["drift_steps"] ** 2 / 400)
     # a cheap round: H falls to its lower bound
     cheap = [*PINNED_PACE[:1], "batch.round_seconds=0.00001", *PINNED_PACE[2:]]
     fast = train(build_config(overrides=[*fast_overrides, *bounds, "sync_auto.start=8", *cheap]))
     assert [r["sync_every"] for r in _rounds(fast.run_dir)][:4] == [8, 2, 2, 2]
+
+
+def test_the_drift_scale_is_that_of_two_workers_and_falls_with_more():
+    def drift(*overrides):
+        return auto_sync_every(build_config(overrides=["sync_every=auto", *overrides])).drift_steps
+
+    assert drift("workers=2", "sync_auto.workers_power=1") == drift("workers=2", "sync_auto.workers_power=0") == 400
+    assert drift("workers=4", "sync_auto.workers_power=1", "sync_auto.drift_steps=300") == 150
+    assert drift("workers=4", "sync_auto.workers_power=0") == 400
+    assert drift("workers=4") == 200  # the default: halved at twice the workers
+    assert drift("method=adloco", "trainers=3", "workers=1", "sync_auto.workers_power=1") == 800  # M per trainer
 
 
 def test_a_fixed_h_records_its_exposed_fraction_and_dispersion(fast_overrides):
@@ -46,6 +61,7 @@ def test_a_fixed_h_records_its_exposed_fraction_and_dispersion(fast_overrides):
         (["sync_every=fast"], "'fast' is neither a number of inner steps nor auto"),
         (["sync_every=auto", "batch.keep_round_time=true"], "already chooses the round's length"),
         (["sync_every=auto", "sync_auto.min=9", "sync_auto.max=8"], "larger than sync_auto.max"),
+        (["sync_every=auto", "sync_auto.lr_power=5"], "sync_auto.lr_power"),
         (["method=streaming", "sync_every=auto", "sync_auto.min=2", "streaming.overlap=1"], "overlap"),
     ],
 )

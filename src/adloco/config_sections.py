@@ -297,14 +297,30 @@ class SyncAutoConfig(_Section):
     drift_steps: float = Field(
         400.0,
         gt=0,
-        description="H_d, the drift scale in inner steps: H* = sqrt(H_d·c/t) for exchange seconds c per round and "
-        "compute seconds t per step; larger means longer rounds on the same link. It grows as the inner lr decays.",
+        description="H_d, the drift scale in inner steps of 2 workers: H* = sqrt(H_d·c/t) for exchange seconds c per "
+        "round and compute seconds t per step; larger means longer rounds on the same link. It grows as the inner lr "
+        "decays and falls with more workers (workers_power).",
     )
     lr_stretch: float = Field(
         20.0,
         ge=1,
         description="The most H_d grows as the inner lr decays (H_d / (lr/peak lr), capped at this factor; H* then "
         "grows by its square root). 1 keeps H_d fixed.",
+    )
+    lr_power: float = Field(
+        1.0,
+        ge=-2,
+        le=4,
+        description="How steeply H_d follows the lr: H_d · (peak lr/lr)^lr_power (the lr read as no less than "
+        "1/lr_stretch of its peak). 1: H* grows as sqrt(peak/lr); 2: as peak/lr; 0: not at all; below 0 rounds "
+        "shorten as the lr decays (docs/auto-sync.md compares them).",
+    )
+    workers_power: float = Field(
+        1.0,
+        ge=0,
+        le=2,
+        description="drift_steps is the drift scale of 2 workers; with M workers per trainer the rule uses "
+        "drift_steps · (2/M)^workers_power: more workers, shorter rounds (docs/auto-sync.md). 0: the same for any M.",
     )
     max_dispersion: float = Field(
         1.0,

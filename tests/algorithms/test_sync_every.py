@@ -8,6 +8,7 @@ from adloco.algorithms.sync_every import (
     AutoSyncEvery,
     best_sync_every,
     dispersion,
+    drift_for_workers,
     drift_scale,
     seconds_per_step,
 )
@@ -35,6 +36,30 @@ def test_the_drift_scale_grows_as_the_lr_decays_and_is_capped():
     assert drift_scale(1000.0, 3.0) == 1000.0  # above the peak (never, but bounded)
     assert drift_scale(1000.0, 0.1, max_stretch=4.0) == 4000.0
     assert drift_scale(1000.0, 0.1, max_stretch=1.0) == 1000.0  # a fixed H_d, whatever the lr
+
+
+def test_the_lr_power_sets_how_steeply_the_drift_scale_follows_the_lr():
+    assert drift_scale(1000.0, 0.25, power=2.0) == 16000.0  # H* then grows as peak/lr: twice the sqrt rule's 2x
+    assert drift_scale(1000.0, 0.25, power=0.0) == 1000.0
+    assert drift_scale(1000.0, 0.25, power=-1.0) == 250.0  # rounds shorten as the lr decays
+    assert drift_scale(1000.0, 0.01, max_stretch=4.0, power=2.0) == 16000.0  # the lr read as 1/4 of its peak
+    assert drift_scale(1000.0, 1.0, power=3.0) == 1000.0  # at the peak every power agrees
+    targets = {}
+    for power in (1.0, 2.0, -1.0):
+        rule = _rule(lr_power=power, high=1000)
+        rule.observe(0.04, 0.6)
+        targets[power] = rule.decide(0.25).target
+    assert targets[1.0] == pytest.approx(2 * 122.47, abs=0.1)  # sqrt(1000 / 0.25 · 0.6 / 0.04)
+    assert targets[2.0] == pytest.approx(4 * 122.47, abs=0.1)
+    assert targets[-1.0] == pytest.approx(122.47 / 2, abs=0.1)
+
+
+def test_the_drift_scale_falls_as_more_workers_are_averaged():
+    assert drift_for_workers(400.0, 2, 1.0) == 400.0  # drift_steps is the scale of two workers
+    assert drift_for_workers(400.0, 4, 1.0) == 200.0
+    assert drift_for_workers(400.0, 1, 1.0) == 800.0  # one worker per trainer: nothing to drift apart from but θ
+    assert drift_for_workers(400.0, 8, 2.0) == 25.0
+    assert drift_for_workers(400.0, 4, 0.0) == 400.0
 
 
 def test_the_lr_stretch_bounds_how_far_a_decayed_lr_lengthens_rounds():

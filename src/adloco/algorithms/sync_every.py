@@ -33,6 +33,7 @@ from typing import Any
 
 FOLLOW = 0.5  # weight of the newest round in the running means of t and c (as the time-aware controller's)
 MAX_LR_STRETCH = 20.0  # the drift scale grows at most this many times as the lr decays (sync_auto.lr_stretch)
+REFERENCE_WORKERS = 2  # sync_auto.drift_steps is the drift scale of this many workers (docs/auto-sync.md)
 
 
 def best_sync_every(step_seconds: float, exchange_seconds: float, drift_steps: float) -> float:
@@ -47,10 +48,17 @@ def seconds_per_step(step_seconds: float, exchange_seconds: float, h: int, drift
     return (step_seconds + exchange_seconds / h) * (1.0 + h / drift_steps)
 
 
-def drift_scale(base: float, lr_ratio: float, max_stretch: float = MAX_LR_STRETCH) -> float:
-    """H_d at an inner lr of ``lr_ratio`` × its peak (1.0 during warm-up): the base grows as the lr decays, at most
-    ``max_stretch`` times."""
-    return base / min(max(lr_ratio, 1.0 / max_stretch), 1.0)
+def drift_scale(base: float, lr_ratio: float, max_stretch: float = MAX_LR_STRETCH, power: float = 1.0) -> float:
+    """H_d at an inner lr of ``lr_ratio`` × its peak (1.0 during warm-up): the base times (peak/lr)^``power``, the
+    lr read as no less than 1/``max_stretch`` of its peak (power 1: H_d grows at most ``max_stretch`` times)."""
+    return base / min(max(lr_ratio, 1.0 / max_stretch), 1.0) ** power
+
+
+def drift_for_workers(drift_steps: float, workers: int, power: float) -> float:
+    """The drift scale of ``workers`` workers averaged in each exchange, ``drift_steps`` being that of
+    ``REFERENCE_WORKERS``: it falls as (REFERENCE_WORKERS / M)^``power`` (the fixed-H runs' tokens to a target put
+    it near half at 4 workers of what it is at 2)."""
+    return drift_steps * (REFERENCE_WORKERS / max(workers, 1)) ** power
 
 
 def dispersion(worker_sq: Mapping[int, float], mean_sq: float, weights: Mapping[int, float] | None = None) -> float:
@@ -96,12 +104,13 @@ class AutoSyncEvery:
         multiple: int = 1,
         max_growth: float = 2.0,
         lr_stretch: float = MAX_LR_STRETCH,
+        lr_power: float = 1.0,
     ) -> None:
         if not 1 <= low <= high or low % multiple or high % multiple or drift_steps <= 0 or max_growth <= 1.0:
             raise ValueError(f"need 1 <= low <= high, both multiples of {multiple}, drift_steps > 0")
         if lr_stretch < 1.0:
             raise ValueError("need lr_stretch >= 1")
-        self.lr_stretch = lr_stretch
+        self.lr_stretch, self.lr_power = lr_stretch, lr_power
         self.low, self.high, self.multiple = low, high, multiple
         self.drift_steps, self.max_dispersion, self.max_growth = drift_steps, max_dispersion, max_growth
         self.sync_every = self._bounded(start)
@@ -110,6 +119,9 @@ class AutoSyncEvery:
         self.settled = False  # whether a decision has been made (on measured costs, or by the guard): until then
         # the first decision on measured costs goes straight to H*, from then on H moves at most max_growth× a round
 
+    def _drift(self, lr_ratio: float) -> float:
+        return drift_scale(self.drift_steps, lr_ratio, self.lr_stretch, self.lr_power)
+
     def _bounded(self, h: float) -> int:
         """``h`` rounded to the nearest multiple of ``multiple`` within [low, high]."""
         rounded = self.multiple * max(1, round(h / self.multiple))
@@ -117,7 +129,7 @@ class AutoSyncEvery:
 
     def length_for(self, step_seconds: float, exchange_seconds: float, lr_ratio: float = 1.0) -> int:
         """The bounded H* for these costs, with no limit on the move (what a batch decision plans with)."""
-        drift = drift_scale(self.drift_steps, lr_ratio, self.lr_stretch)
+        drift = self._drift(lr_ratio)
         target = best_sync_every(step_seconds, exchange_seconds, drift)
         return self._bounded(min(target, self.high))
 
@@ -126,7 +138,7 @@ class AutoSyncEvery:
         what the time-aware batch controller weighs when b and H are chosen together. ``round_seconds``: the
         exchange seconds to assume until this rule has measured its own."""
         c = self.exchange_seconds if math.isfinite(self.exchange_seconds) else round_seconds
-        drift = drift_scale(self.drift_steps, lr_ratio, self.lr_stretch)
+        drift = self._drift(lr_ratio)
         return lambda t: seconds_per_step(t, c, self.length_for(t, c, lr_ratio), drift)
 
     def observe(self, step_seconds: float, exchange_seconds: float) -> None:
@@ -143,7 +155,7 @@ class AutoSyncEvery:
         """The next round's H from the running costs, the inner lr (``lr_ratio`` of its peak) and the last
         exchange's dispersion ``spread``."""
         t, c, h = self.step_seconds, self.exchange_seconds, self.sync_every
-        drift = drift_scale(self.drift_steps, lr_ratio, self.lr_stretch)
+        drift = self._drift(lr_ratio)
         exposed = c / (c + h * t) if math.isfinite(t) and math.isfinite(c) and c + h * t > 0 else math.nan
         if math.isfinite(spread) and spread > self.max_dispersion:
             target, reason = h / self.max_growth, "dispersion"

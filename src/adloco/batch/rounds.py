@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from adloco.algorithms.shares import balanced_split, sample_weights
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
-from adloco.algorithms.sync_every import AutoSyncEvery, SyncDecision
+from adloco.algorithms.sync_every import AutoSyncEvery, SyncDecision, drift_for_workers
 from adloco.batch.policy import pace_for
 from adloco.sync.rounds import exchange_time
 
@@ -184,6 +184,8 @@ def auto_sync_every(config: TrainConfig) -> AutoSyncEvery | None:
     # Streaming with α > 0 keeps part of each worker's own drift after a sync, by design: its workers' Δ differ
     # by more than noise every round, so there the dispersion is recorded but does not shrink H.
     guard = auto.max_dispersion if not config.streaming.alpha else math.inf
-    return AutoSyncEvery(low=low, high=high, start=config.first_sync_every, drift_steps=auto.drift_steps,
+    assert config.workers is not None
+    drift = drift_for_workers(auto.drift_steps, config.workers, auto.workers_power)
+    return AutoSyncEvery(low=low, high=high, start=config.first_sync_every, drift_steps=drift,
                          max_dispersion=guard, multiple=config.streaming.fragments or 1,
-                         lr_stretch=auto.lr_stretch)  # fmt: skip
+                         lr_stretch=auto.lr_stretch, lr_power=auto.lr_power)  # fmt: skip

@@ -21,6 +21,7 @@ import itertools
 import json
 import math
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -101,10 +102,7 @@ def run_one(
     root = args.out
     overrides = [*settings, f"run.root={root}", f"run.name={name}"]
     metrics = root / name / "metrics.jsonl"
-    if (root / name).exists():
-        import shutil
-
-        shutil.rmtree(root / name)
+    shutil.rmtree(root / name, ignore_errors=True)  # an earlier run's folder would be resumed
     logs = root / f"{name}.logs"
     logs.mkdir(parents=True, exist_ok=True)
     tail = link.MetricsTail(metrics)
@@ -321,6 +319,7 @@ def in_process(args: argparse.Namespace, report: dict[str, Any]) -> None:
                             "checkpoint.every=1000000", f"total_tokens={args.tokens}", f"seed={seed}",
                             f"method={method}", f"sync_every={sync}", *args.extra]  # fmt: skip
                 name = key.replace("/", "-")
+                shutil.rmtree(args.out / name, ignore_errors=True)  # an earlier run's folder would be resumed
                 print(f"  in one process: {name} ...", flush=True)
                 command = [sys.executable, "-m", "adloco", "train", *settings, f"run.root={args.out}",
                            f"run.name={name}"]  # fmt: skip

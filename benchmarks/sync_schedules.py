@@ -62,14 +62,14 @@ BATCH, CONTEXT = 3, 64  # the default per-worker batch and context: tokens per w
 def fitted_costs(cell: dict[str, Any]) -> tuple[float, float]:
     """(τ seconds per 1,000 tokens, c seconds per exchange), least squares through the medians of the link cell's
     fixed H that reached its target (seconds = τ·tokens/1000 + c·exchanges)."""
-    per_step = cell["ranks"] * BATCH * CONTEXT
+    tokens_per_step = cell["ranks"] * BATCH * CONTEXT
     points = []
     for method, runs in cell["runs"].items():
         if method.startswith("diloco-h"):
             seconds, tokens = median_time(runs), median_time(runs, "tokens_to_target")
             h = int(method.removeprefix("diloco-h"))
             if seconds is not None and tokens is not None:
-                points.append((tokens / 1000, tokens / (h * per_step), seconds))
+                points.append((tokens / 1000, tokens / (h * tokens_per_step), seconds))
     if len(points) < 2:
         raise SystemExit("fewer than two fixed H reached the cell's target: no costs to fit")
     kk = sum(k * k for k, _, _ in points)
@@ -131,8 +131,9 @@ def measure(args: argparse.Namespace, report: dict[str, Any], command: str) -> N
         raise SystemExit(f"no cell {args.cell!r} in {args.link_results}; it has {', '.join(cells)}")
     cell = cells[args.cell]
     tau, exchange = fitted_costs(cell)
-    per_step = cell["ranks"] * BATCH * CONTEXT * tau / 1000  # the busiest rank's seconds per inner step
-    pinned = [f"batch.step_seconds=[{per_step / cell['ranks']:.6g},0]", f"batch.round_seconds={exchange:.6g}"]
+    step_seconds = cell["ranks"] * BATCH * CONTEXT * tau / 1000  # a link rank's seconds per inner step
+    # in one process every worker is on one rank, whose step time is the sum of its workers'
+    pinned = [f"batch.step_seconds=[{step_seconds / cell['ranks']:.6g},0]", f"batch.round_seconds={exchange:.6g}"]
     entry = report.setdefault("cells", {}).setdefault(args.cell, {})
     entry.update(target=cell["target"], tokens=cell["tokens"], workers=cell["ranks"], tau=tau, exchange=exchange,
                  date=date.today().isoformat(), machine=link.machine(), command=command)  # fmt: skip
@@ -185,6 +186,7 @@ def cell_table(key: str, entry: dict[str, Any]) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
+    """Every measured cell's table."""
     return "\n\n".join(cell_table(key, entry) for key, entry in report.get("cells", {}).items())
 
 
@@ -198,11 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="put the table into docs/auto-sync.md")
     parser.add_argument("--render", action="store_true", help="only render the stored results")
     args = parser.parse_args(argv)
-    args.seeds = [int(s) for s in args.seeds.split(",")]
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds: {args.seeds!r} is not a comma-separated list of integers")
     args.schedules = [s for s in args.schedules.split(",") if s]
     unknown = sorted(set(args.schedules) - set(SCHEDULES))
-    if unknown:
-        parser.error(f"unknown schedule {unknown[0]!r}; choose from {', '.join(SCHEDULES)}")
+    if unknown or not args.schedules:
+        parser.error(f"--schedules: choose from {', '.join(SCHEDULES)}")
+    if not args.render and not args.link_results.exists():
+        parser.error(f"--link-results: {args.link_results} does not exist (run benchmarks/auto_sync.py first)")
     report = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     if not args.render:
         given = argv if argv is not None else sys.argv[1:]

@@ -54,3 +54,11 @@ def test_a_schedule_is_priced_by_its_tokens_and_the_exchanges_up_to_the_crossing
     assert priced["h"] == [10, 80, 90, 50]
     missed = schedules.summary(rounds, 1.5, tau=0.1, exchange=0.5)
     assert missed["tokens"] is None and missed["seconds"] is None
+
+
+def test_bad_arguments_are_one_line_errors(capsys):
+    for argv in (["--schedules", "nope"], ["--schedules", ","], ["--seeds", "a"], ["--link-results", "/nonexistent"]):
+        with pytest.raises(SystemExit) as stop:
+            schedules.main(argv)
+        assert stop.value.code == 2
+        assert len(capsys.readouterr().err.strip().splitlines()[-1]) > 0

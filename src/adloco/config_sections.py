@@ -304,8 +304,8 @@ class SyncAutoConfig(_Section):
     lr_stretch: float = Field(
         20.0,
         ge=1,
-        description="The most H_d grows as the inner lr decays (H_d / (lr/peak lr), capped at this factor; H* then "
-        "grows by its square root). 1 keeps H_d fixed.",
+        description="How far H_d grows as the inner lr decays: the lr is read as no less than 1/lr_stretch of its "
+        "peak, so H_d grows at most lr_stretch^lr_power times (H* by its square root). 1 keeps H_d fixed.",
     )
     lr_power: float = Field(
         1.0,

@@ -31,6 +31,9 @@ def test_auto_follows_the_pinned_costs_within_its_bounds_and_says_why(fast_overr
     steep_first = _rounds(steep.run_dir)[0]["sync"]  # the same lr: H_d = 400 (peak/lr)^2 where it was 400 peak/lr
     assert first["drift_steps"] > 400  # else the squares below would agree for any power
     assert steep_first["drift_steps"] == pytest.approx(first["drift_steps"] ** 2 / 400)
+    flat = [*fast_overrides, *bounds, *PINNED_PACE, "sync_auto.lr_stretch=1"]  # the lr phase off: H_d as M sets it
+    four = train(build_config(overrides=[*flat, "workers=4"]))
+    assert {r["sync"]["drift_steps"] for r in _rounds(four.run_dir)} == {200}  # half the 2 workers' 400
     # a cheap round: H falls to its lower bound
     cheap = [*PINNED_PACE[:1], "batch.round_seconds=0.00001", *PINNED_PACE[2:]]
     fast = train(build_config(overrides=[*fast_overrides, *bounds, "sync_auto.start=8", *cheap]))

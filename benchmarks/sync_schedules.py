@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import link
+import torch
 from auto_sync import RESULTS as LINK_RESULTS
 from auto_sync import interpolated_time, median_time
 
@@ -72,20 +73,17 @@ def fitted_costs(cell: dict[str, Any]) -> tuple[float, float]:
                 points.append((tokens / 1000, tokens / (h * tokens_per_step), seconds))
     if len(points) < 2:
         raise SystemExit("fewer than two fixed H reached the cell's target: no costs to fit")
-    kk = sum(k * k for k, _, _ in points)
-    ke = sum(k * e for k, e, _ in points)
-    ee = sum(e * e for _, e, _ in points)
-    ks = sum(k * s for k, _, s in points)
-    es = sum(e * s for _, e, s in points)
-    det = kk * ee - ke * ke
-    return (ks * ee - es * ke) / det, (es * kk - ks * ke) / det
+    costs = torch.tensor([(k, e) for k, e, _ in points], dtype=torch.float64)
+    seconds = torch.tensor([[s] for *_, s in points], dtype=torch.float64)
+    tau, exchange = torch.linalg.lstsq(costs, seconds).solution.flatten().tolist()
+    return tau, exchange
 
 
 def train_to_target(name: str, settings: list[str], target: float, out: Path) -> list[dict[str, Any]]:
     """One ``adloco train`` in one process, stopped once an evaluation reaches ``target``; its round records."""
     command = [sys.executable, "-m", "adloco", "train", *settings, f"run.root={out}", f"run.name={name}"]
     shutil.rmtree(out / name, ignore_errors=True)  # a run of an earlier invocation would be resumed
-    metrics = out / name / "metrics.jsonl"
+    tail = link.MetricsTail(out / name / "metrics.jsonl")  # read as it grows, not again from its start
     log = out / f"{name}.log"
     with log.open("w") as sink:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
@@ -95,7 +93,7 @@ def train_to_target(name: str, settings: list[str], target: float, out: Path) ->
                 if time.monotonic() > deadline:
                     raise SystemExit(f"{name} ran past {RUN_TIMEOUT_S} s; see {log}")
                 time.sleep(0.5)
-                if metrics.exists() and interpolated_time(read(metrics), target) is not None:
+                if interpolated_time(tail.poll(), target) is not None:
                     proc.kill()
                     break
             proc.wait(timeout=600)
@@ -105,12 +103,7 @@ def train_to_target(name: str, settings: list[str], target: float, out: Path) ->
                 proc.wait()
     if proc.returncode not in (0, -signal.SIGKILL):
         raise SystemExit(f"{name} failed (exit {proc.returncode}); see {log}")
-    return [r for r in read(metrics) if r["kind"] == "round"]
-
-
-def read(metrics: Path) -> list[dict[str, Any]]:
-    """The complete lines of a metrics.jsonl that may still be written."""
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
+    return [r for r in tail.poll() if r["kind"] == "round"]
 
 
 def summary(rounds: list[dict[str, Any]], target: float, tau: float, exchange: float) -> dict[str, Any]:

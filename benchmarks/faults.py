@@ -3,6 +3,7 @@
     sudo python benchmarks/faults.py --write                 # 4 runs of ~4 min each
     sudo python benchmarks/faults.py --steps 400 --fault-every 20 --restart-after 3
     sudo python benchmarks/faults.py --one-fault 2 --write   # the final loss after one fault mid-run, 2 pairs
+    sudo python benchmarks/faults.py --start-up 5 --python ENV1/bin/python,ENV2/bin/python  # a replica's imports
 
 Both paths train the tiny LLaMA on Tiny Shakespeare with 3 workers of batch 3 × 64 tokens, DiLoCo with H = 10, one
 thread each, for ``--steps`` inner steps per worker:
@@ -29,6 +30,7 @@ started again ``--restart-after`` seconds later; each pair's final validation lo
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -59,6 +61,14 @@ WORKERS, BATCH, CONTEXT, H = 3, 3, 64, 10
 CORE_SHARE = 0.6  # of one core per worker: 1.8 cores for 3 workers on this 2-core machine
 # Targets of the issue: goodput under one fault a minute >= 0.85x of a fault-free run and >= 2x the restart path's.
 GOODPUT_VS_CLEAN, GOODPUT_VS_RESTART, RECOVERY_S = 0.85, 2.0, 10.0
+# transformers imports these at start-up where they are installed (the dev extras bring them): a replica's start-up,
+# and so its recovery, depends on whether its environment has them
+START_UP_EXTRAS = ("accelerate", "scipy")
+
+
+def installed_extras() -> list[str]:
+    """Which of START_UP_EXTRAS this interpreter (and so every replica, started with it) can import."""
+    return [name for name in START_UP_EXTRAS if importlib.util.find_spec(name) is not None]
 
 
 def _joining(procs_file: Path):
@@ -284,9 +294,39 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['machine']}; {report['steps']} inner steps per worker, a fault every {report['fault_every']:g} s "
         f"(a replica back after {report['restart_after']:g} s), each worker held to {CORE_SHARE} of a core. "
         "Recovery: a restarted replica's process start to the end of its first committed round; start-up: the "
-        "part before it calls DiLoCo (imports, the model).",
+        f"part before it calls DiLoCo (imports, the model). {_extras_line(report.get('extras'))}",
         "", *rows, "", *verdicts(runs),
     ])  # fmt: skip
+
+
+def _extras_line(extras: list[str] | None) -> str:
+    if extras is None:
+        return ""
+    if not extras:
+        return "The Python environment: adloco[torchft] alone (neither accelerate nor scipy installed)."
+    return f"The Python environment: the dev extras, with {' and '.join(extras)} (transformers imports them)."
+
+
+def start_up(runs: int, interpreters: list[str]) -> None:
+    """A replica's start-up without the rest: the example's imports in a fresh process held to CORE_SHARE of a
+    core, ``runs`` times per interpreter (taken in turn), with which of START_UP_EXTRAS each one has."""
+    # the example's imports (not its main), and torchft's, which DiLoCo imports as it starts a replica
+    probe = f"import runpy; runpy.run_path({str(EXAMPLE)!r}, run_name='start_up'); import torchft.manager"
+    extras = f"import importlib.util as u; print([n for n in {START_UP_EXTRAS!r} if u.find_spec(n)])"
+    seconds: dict[str, list[float]] = {python: [] for python in interpreters}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    with cpu_quota(CORE_SHARE, "adloco-faults-start-up") as group:
+        for _ in range(runs):
+            for python in interpreters:
+                started = time.perf_counter()
+                subprocess.run([python, "-c", probe], env=env, check=True, preexec_fn=_joining(group))
+                seconds[python].append(time.perf_counter() - started)
+    for python, times in seconds.items():
+        found = subprocess.run([python, "-c", extras], capture_output=True, text=True, check=True).stdout.strip()
+        print(
+            f"{python} (installed of {', '.join(START_UP_EXTRAS)}: {found}): median {statistics.median(times):.2f} s "
+            f"over {runs} runs, {min(times):.2f}–{max(times):.2f}"
+        )
 
 
 def one_fault(pairs: int, steps: int, restart_after: float, write: bool) -> None:
@@ -334,9 +374,16 @@ def main() -> int:
     parser.add_argument("--write", action="store_true", help="put the table into docs/fault-tolerance.md")
     parser.add_argument("--one-fault", type=int, default=0, metavar="N",
                         help="instead: N pairs of replica runs without a fault and with one half-way")  # fmt: skip
+    parser.add_argument("--start-up", type=int, default=0, metavar="N",
+                        help="instead: time a replica's imports N times in fresh processes, per --python")  # fmt: skip
+    parser.add_argument("--python", default=sys.executable,
+                        help="--start-up's interpreters, comma-separated (default: this one)")  # fmt: skip
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("skipped: the CPU quotas need root", file=sys.stderr)
+        return 0
+    if args.start_up:
+        start_up(args.start_up, args.python.split(","))
         return 0
     if args.one_fault:
         one_fault(args.one_fault, args.steps, args.restart_after, args.write)
@@ -356,7 +403,8 @@ def main() -> int:
             print(f"{name}: {json.dumps(runs[name])}", flush=True)
     command = "python benchmarks/faults.py " + shlex.join(sys.argv[1:])
     report = {"command": command.strip(), "environment": environment(), "machine": machine(), "steps": args.steps,
-              "fault_every": args.fault_every, "restart_after": args.restart_after, "runs": runs}  # fmt: skip
+              "fault_every": args.fault_every, "restart_after": args.restart_after, "extras": installed_extras(),
+              "runs": runs}  # fmt: skip
     publish(report, markdown(report), RESULTS, DOC if args.write else None, MARKERS)
     return 0
 

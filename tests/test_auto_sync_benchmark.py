@@ -51,3 +51,26 @@ def test_the_best_fixed_h_is_the_least_median_over_seeds_not_the_luckiest_run():
     runs = {"diloco-h50": [_run(40.0, 1, 0), _run(44.0, 1, 1), _run(45.0, 1, 2)],
             "diloco-h100": [_run(35.0, 1, 0), _run(46.0, 1, 1), _run(47.0, 1, 2)]}  # fmt: skip
     assert auto_sync.best_fixed(runs, "fp32") == ("diloco-h50", 44.0)
+
+
+def test_the_swept_h_is_picked_without_the_seed_it_is_timed_at():
+    runs = {"diloco-h50": [_run(40.0, 1, 0), _run(44.0, 1, 1), _run(45.0, 1, 2)],
+            "diloco-h100": [_run(30.0, 1, 0), _run(46.0, 1, 1), _run(47.0, 1, 2)],
+            "diloco-h10": [_run(10.0, 1, 0)],  # not run at every seed: not in the sweep
+            "diloco-auto": [_run(41.0, 1, 0), _run(42.0, 1, 1), _run(43.0, 1, 2)]}  # fmt: skip
+    # seed 0 held out: H = 50 wins on seeds 1, 2 and takes 40 there; seed 1: H = 100 (30, 47 → 38.5) takes 46;
+    # seed 2: H = 100 (30, 46 → 38) takes 47; the median of 40, 46, 47
+    assert auto_sync.swept_fixed(runs, "fp32") == 46.0
+    cell = {"runs": runs}
+    lines = auto_sync.verdicts({"cells": {"c": cell}})
+    assert "against a sweep's pick 0.91×" in lines[0]  # 42 against 46
+    swept = next(line for line in lines if "sweep picks" in line)
+    assert "auto 0.91×, AdLoCo not reached" in swept  # this cell ran no AdLoCo
+    # a miss counts as endless: with H = 100 missing at seed 2, the folds pick H = 50 (40), H = 50 (44), and
+    # H = 100 (30, 46 → 38 beats 42) which never reaches the target at seed 2
+    runs["diloco-h100"][2]["time_to_target"] = None
+    assert auto_sync.swept_fixed(runs, "fp32") == 44.0
+    assert (
+        auto_sync.swept_fixed({"diloco-h50": runs["diloco-h50"], "diloco-auto": runs["diloco-auto"][:1]}, "fp32")
+        is None
+    )  # one seed: nothing to hold out

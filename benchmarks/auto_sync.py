@@ -184,24 +184,31 @@ def best_fixed(runs: dict[str, Any], codec: str) -> tuple[str | None, float | No
 def swept_fixed(runs: dict[str, Any], codec: str) -> float | None:
     """The median time of the fixed H a user's sweep would pick, judged on seeds it did not see: for each seed of
     auto's runs, the fixed H (among those run at every such seed) of least median time over the other seeds, timed
-    at the held-out seed. Unlike the best fixed H in hindsight, the pick cannot profit from a lucky seed."""
+    at the held-out seed. Unlike the best fixed H in hindsight, the pick cannot profit from a lucky seed. None
+    where there is nothing to sweep (fewer than two seeds), inf where the picks' median missed the target."""
     tag = "-fp4" if codec == "fp4" else ""
     seeds = sorted({r.get("seed", 0) for r in runs.get(f"diloco{tag}-auto", [])})
-    times = {m: {r.get("seed", 0): math.inf if r["time_to_target"] is None else r["time_to_target"] for r in runs[m]}
-             for m in (f"diloco{tag}-h{h}" for h in FIXED_H) if m in runs}  # fmt: skip
-    swept = [m for m, by_seed in times.items() if set(seeds) <= set(by_seed)]
-    if len(seeds) < 2 or not swept:
+    times = {}
+    for method in (f"diloco{tag}-h{h}" for h in FIXED_H):
+        by_seed: dict[int, list[float]] = {}
+        for r in runs.get(method, []):  # a seed run twice counts by its median
+            by_seed.setdefault(r.get("seed", 0), []).append(
+                math.inf if r["time_to_target"] is None else r["time_to_target"]
+            )
+        if seeds and set(seeds) <= set(by_seed):
+            times[method] = {seed: statistics.median(by_seed[seed]) for seed in seeds}
+    if len(seeds) < 2 or not times:
         return None
     picked = []
     for seed in seeds:
-        pick = min(swept, key=lambda m: statistics.median(times[m][s] for s in seeds if s != seed))
+        pick = min(times, key=lambda m: statistics.median(times[m][s] for s in seeds if s != seed))
         picked.append(times[pick][seed])
-    value = statistics.median(picked)
-    return None if value == math.inf else value
+    return statistics.median(picked)
 
 
 def cell_checks(key: str, cell: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per codec run in the cell: auto and AdLoCo against the best fixed H and against H = 10."""
+    """Per codec run in the cell: auto and AdLoCo against the best fixed H, against H = 10 and against the fixed
+    H a sweep picks."""
     checks = []
     for codec in CODECS:
         tag = "-fp4" if codec == "fp4" else ""
@@ -214,12 +221,13 @@ def cell_checks(key: str, cell: dict[str, Any]) -> list[dict[str, Any]]:
         swept = swept_fixed(cell["runs"], codec)
 
         def ratio(t: float | None, base: float | None) -> float | None:
-            return t / base if t is not None and base else None
+            return t / base if t is not None and base and base != math.inf else None
 
         checks.append({"cell": key, "codec": codec, "best": best, "best_seconds": best_t, "auto_seconds": auto_t,
                        "adloco_seconds": adloco_t, "auto_vs_best": ratio(auto_t, best_t),
                        "auto_vs_h10": ratio(auto_t, h10), "adloco_vs_best": ratio(adloco_t, best_t),
-                       "swept_seconds": swept, "auto_vs_swept": ratio(auto_t, swept),
+                       "adloco_ran": f"adloco{tag}-auto" in cell["runs"], "swept_seconds": swept,
+                       "auto_vs_swept": ratio(auto_t, swept),
                        "adloco_vs_swept": ratio(adloco_t, swept)})  # fmt: skip
     return checks
 
@@ -233,6 +241,36 @@ def ratio_text(ratio: float, *bounds: float) -> str:
     return f"{text}×"
 
 
+def _swept_text(check: dict[str, Any]) -> str:
+    """A cell's auto against the fixed H a sweep picks (``swept_fixed``), for its verdict line."""
+    if check["swept_seconds"] is None:
+        return ""
+    if check["swept_seconds"] == math.inf:
+        return "; a sweep's pick did not reach the target"
+    ratio = check["auto_vs_swept"]
+    return f"; against a sweep's pick {'not reached' if ratio is None else f'{ratio:.2f}×'}"
+
+
+def swept_summary(checks: Sequence[dict[str, Any]]) -> list[str]:
+    """auto and AdLoCo against a sweep's pick, medians over the cells where the pick reached the target (AdLoCo's
+    over those that ran it); a method that missed the target counts as endless."""
+    swept = [c for c in checks if c["swept_seconds"] not in (None, math.inf)]
+    if not swept:
+        return []
+
+    def median(key: str, cells: Sequence[dict[str, Any]]) -> str:
+        if not cells:
+            return "—"
+        value = statistics.median(math.inf if c[key] is None else c[key] for c in cells)
+        return "not reached" if value == math.inf else ratio_text(value, AUTO_MEDIAN)
+
+    adloco = [c for c in swept if c["adloco_ran"]]
+    return [f"- against the fixed H a sweep picks (the least median time over the other seeds, timed at the held-out "
+            f"one), median over {len(swept)} cell(s): auto {median('auto_vs_swept', swept)}, AdLoCo "
+            f"{median('adloco_vs_swept', adloco)} over {len(adloco)} (no target: the comparison a user who would "
+            "otherwise sweep H makes)"]  # fmt: skip
+
+
 def verdicts(report: dict[str, Any]) -> list[str]:
     checks = [c for key, cell in sorted(report["cells"].items()) for c in cell_checks(key, cell)]
     lines = []
@@ -241,23 +279,16 @@ def verdicts(report: dict[str, Any]) -> list[str]:
         met = auto is not None and auto <= AUTO_VS_BEST
         h10 = "—" if c["auto_vs_h10"] is None else f"{c['auto_vs_h10']:.2f}×"
         auto_text = "auto did not reach the target" if auto is None else ratio_text(auto, AUTO_VS_BEST)
-        swept = "" if c["auto_vs_swept"] is None else f"; against a sweep's pick {c['auto_vs_swept']:.2f}×"
         lines.append(f"- {c['cell']}, {c['codec']}: auto against the best fixed H ({c['best']}) {auto_text}: "
-                     f"**{'met' if met else 'not met'}** (≤ {AUTO_VS_BEST}×); against H = 10 {h10}{swept}")  # fmt: skip
+                     f"**{'met' if met else 'not met'}** (≤ {AUTO_VS_BEST}×); against H = 10 {h10}"
+                     f"{_swept_text(c)}")  # fmt: skip
     ratios = [c["auto_vs_best"] if c["auto_vs_best"] is not None else float("inf") for c in checks]
     if ratios:
         median = statistics.median(ratios)
         lines.append(f"- median over {len(ratios)} cell(s) of auto against the best fixed H: "
                      f"{ratio_text(median, AUTO_MEDIAN)}: "
                      f"**{'met' if median <= AUTO_MEDIAN else 'not met'}** (≤ {AUTO_MEDIAN}×)")  # fmt: skip
-    swept = [c for c in checks if c["swept_seconds"] is not None]
-    if swept:  # a method that missed the target counts as endless
-        auto, adloco = (statistics.median(math.inf if c[k] is None else c[k] for c in swept)
-                        for k in ("auto_vs_swept", "adloco_vs_swept"))  # fmt: skip
-        figures = [("not reached" if r == math.inf else ratio_text(r, AUTO_MEDIAN)) for r in (auto, adloco)]
-        lines.append(f"- against the fixed H a sweep picks (the least median time over the other seeds, timed at "
-                     f"the held-out one), median over {len(swept)} cell(s): auto {figures[0]}, AdLoCo {figures[1]} "
-                     "(no target: the comparison a user who would otherwise sweep H makes)")  # fmt: skip
+    lines += swept_summary(checks)
     # A cell is a link and a codec, for AdLoCo as for auto: each against the best fixed-H DiLoCo of its codec.
     adloco = [c["adloco_vs_best"] for c in checks if c["adloco_seconds"] is not None or c["codec"] == "fp32"]
     if adloco:

@@ -56,6 +56,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "faults.json"
 MARKERS = ("<!-- faults:begin -->", "<!-- faults:end -->")
 ONE_RESULTS = ROOT / "benchmarks" / "results" / "faults_one.json"
 ONE_MARKERS = ("<!-- faults-one:begin -->", "<!-- faults-one:end -->")
+START_UP_RESULTS = ROOT / "benchmarks" / "results" / "faults_start_up.json"
 LOSS_VS_CLEAN = 0.01  # the issue's target: one fault mid-run ends within 1 % of the loss without it
 WORKERS, BATCH, CONTEXT, H = 3, 3, 64, 10
 CORE_SHARE = 0.6  # of one core per worker: 1.8 cores for 3 workers on this 2-core machine
@@ -294,25 +295,27 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['machine']}; {report['steps']} inner steps per worker, a fault every {report['fault_every']:g} s "
         f"(a replica back after {report['restart_after']:g} s), each worker held to {CORE_SHARE} of a core. "
         "Recovery: a restarted replica's process start to the end of its first committed round; start-up: the "
-        f"part before it calls DiLoCo (imports, the model). {_extras_line(report.get('extras'))}",
+        f"part before it calls DiLoCo (imports, the model).{_extras_line(report.get('extras'))}",
         "", *rows, "", *verdicts(runs),
     ])  # fmt: skip
 
 
 def _extras_line(extras: list[str] | None) -> str:
+    """What the replicas' environment had of START_UP_EXTRAS (reports from before it was recorded: nothing)."""
     if extras is None:
         return ""
-    if not extras:
-        return "The Python environment: adloco[torchft] alone (neither accelerate nor scipy installed)."
-    return f"The Python environment: the dev extras, with {' and '.join(extras)} (transformers imports them)."
+    found = f"installed: {', '.join(extras)}" if extras else "neither installed"
+    return f" Of {' and '.join(START_UP_EXTRAS)}, which transformers imports at start-up where present: {found}."
 
 
 def start_up(runs: int, interpreters: list[str]) -> None:
     """A replica's start-up without the rest: the example's imports in a fresh process held to CORE_SHARE of a
-    core, ``runs`` times per interpreter (taken in turn), with which of START_UP_EXTRAS each one has."""
+    core, ``runs`` times per interpreter (taken in turn), with which of START_UP_EXTRAS each one has. Each time
+    spans the interpreter's start and exit too, so it reads above a replica's start-up in a run; what it is for is
+    the difference between environments. Printed, and stored in START_UP_RESULTS."""
     # the example's imports (not its main), and torchft's, which DiLoCo imports as it starts a replica
     probe = f"import runpy; runpy.run_path({str(EXAMPLE)!r}, run_name='start_up'); import torchft.manager"
-    extras = f"import importlib.util as u; print([n for n in {START_UP_EXTRAS!r} if u.find_spec(n)])"
+    extras = f"import importlib.util as u, json; print(json.dumps([n for n in {START_UP_EXTRAS!r} if u.find_spec(n)]))"
     seconds: dict[str, list[float]] = {python: [] for python in interpreters}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     with cpu_quota(CORE_SHARE, "adloco-faults-start-up") as group:
@@ -321,12 +324,18 @@ def start_up(runs: int, interpreters: list[str]) -> None:
                 started = time.perf_counter()
                 subprocess.run([python, "-c", probe], env=env, check=True, preexec_fn=_joining(group))
                 seconds[python].append(time.perf_counter() - started)
+    rows = []
     for python, times in seconds.items():
         found = subprocess.run([python, "-c", extras], capture_output=True, text=True, check=True).stdout.strip()
-        print(
-            f"{python} (installed of {', '.join(START_UP_EXTRAS)}: {found}): median {statistics.median(times):.2f} s "
-            f"over {runs} runs, {min(times):.2f}–{max(times):.2f}"
-        )
+        rows.append({"extras": json.loads(found), "seconds": times})
+        print(f"{python} (installed of {', '.join(START_UP_EXTRAS)}: {found}): median "
+              f"{statistics.median(times):.2f} s over {runs} runs, {min(times):.2f}–{max(times):.2f}")  # fmt: skip
+    # the interpreters by placeholder: their paths are this machine's
+    shown = ",".join(f"ENV{i + 1}/bin/python" for i in range(len(interpreters)))
+    command = f"python benchmarks/faults.py --start-up {runs} --python {shown}"
+    report = {"command": command, "environment": environment(), "machine": machine(), "core_share": CORE_SHARE,
+              "interpreters": rows}  # fmt: skip
+    START_UP_RESULTS.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def one_fault(pairs: int, steps: int, restart_after: float, write: bool) -> None:
@@ -383,7 +392,9 @@ def main() -> int:
         print("skipped: the CPU quotas need root", file=sys.stderr)
         return 0
     if args.start_up:
-        start_up(args.start_up, args.python.split(","))
+        if args.start_up < 1:
+            parser.error("--start-up takes a number of runs of at least 1")
+        start_up(args.start_up, list(dict.fromkeys(args.python.split(","))))  # each interpreter once
         return 0
     if args.one_fault:
         one_fault(args.one_fault, args.steps, args.restart_after, args.write)

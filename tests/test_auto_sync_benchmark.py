@@ -1,6 +1,7 @@
 """benchmarks/auto_sync.py: the verdicts' figures, medians over seeds and the dispersion summary of a cell."""
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def test_the_swept_h_is_picked_without_the_seed_it_is_timed_at():
     lines = auto_sync.verdicts({"cells": {"c": cell}})
     assert "against a sweep's pick 0.91×" in lines[0]  # 42 against 46
     swept = next(line for line in lines if "sweep picks" in line)
-    assert "auto 0.91×, AdLoCo not reached" in swept  # this cell ran no AdLoCo
+    assert "auto 0.91×, AdLoCo — over 0" in swept  # this cell ran no AdLoCo: not counted as missing the target
     # a miss counts as endless: with H = 100 missing at seed 2, the folds pick H = 50 (40), H = 50 (44), and
     # H = 100 (30, 46 → 38 beats 42) which never reaches the target at seed 2
     runs["diloco-h100"][2]["time_to_target"] = None
@@ -74,3 +75,15 @@ def test_the_swept_h_is_picked_without_the_seed_it_is_timed_at():
         auto_sync.swept_fixed({"diloco-h50": runs["diloco-h50"], "diloco-auto": runs["diloco-auto"][:1]}, "fp32")
         is None
     )  # one seed: nothing to hold out
+
+
+def test_a_sweep_whose_picks_miss_the_target_is_said_so_and_left_out_of_the_median():
+    runs = {"diloco-h50": [_run(None, None, 0), _run(None, None, 1)],
+            "diloco-h100": [_run(30.0, 1, 0), _run(None, None, 1), _run(90.0, 1, 1)],  # seed 1 twice: its median
+            "diloco-auto": [_run(41.0, 1, 0), _run(42.0, 1, 1)]}  # fmt: skip
+    # seed 0 held out: H = 100's seed 1 is the median of endless and 90 (endless) and H = 50's endless: the first
+    # of the tie, H = 50, misses at seed 0; seed 1 held out: H = 100 (30) misses at seed 1
+    assert auto_sync.swept_fixed(runs, "fp32") == math.inf
+    lines = auto_sync.verdicts({"cells": {"c": {"runs": runs}}})
+    assert "a sweep's pick did not reach the target" in lines[0]
+    assert not any("sweep picks" in line for line in lines)

@@ -188,6 +188,8 @@ def swept_fixed(runs: dict[str, Any], codec: str) -> float | None:
     where there is nothing to sweep (fewer than two seeds), inf where the picks' median missed the target."""
     tag = "-fp4" if codec == "fp4" else ""
     seeds = sorted({r.get("seed", 0) for r in runs.get(f"diloco{tag}-auto", [])})
+    if len(seeds) < 2:
+        return None
     times = {}
     for method in (f"diloco{tag}-h{h}" for h in FIXED_H):
         by_seed: dict[int, list[float]] = {}
@@ -195,9 +197,9 @@ def swept_fixed(runs: dict[str, Any], codec: str) -> float | None:
             by_seed.setdefault(r.get("seed", 0), []).append(
                 math.inf if r["time_to_target"] is None else r["time_to_target"]
             )
-        if seeds and set(seeds) <= set(by_seed):
+        if set(seeds) <= set(by_seed):
             times[method] = {seed: statistics.median(by_seed[seed]) for seed in seeds}
-    if len(seeds) < 2 or not times:
+    if not times:
         return None
     picked = []
     for seed in seeds:

@@ -181,6 +181,20 @@ def best_fixed(runs: dict[str, Any], codec: str) -> tuple[str | None, float | No
     return best, reached[best]
 
 
+def beyond_grid(runs: dict[str, Any], codec: str) -> tuple[str | None, float | None]:
+    """The fastest fixed-H DiLoCo (median time) of an H outside the issue's grid (``FIXED_H``), for one codec: a
+    slow link's best H may lie past the grid, and auto, bounded by ``sync_auto.max`` only, is then measured against
+    it too. (None, None) where no such H ran or none reached the target."""
+    prefix = "diloco-fp4-h" if codec == "fp4" else "diloco-h"
+    outside = [m for m in runs if m.startswith(prefix) and m.removeprefix(prefix).isdigit()]
+    times = {m: median_time(runs[m]) for m in outside if int(m.removeprefix(prefix)) not in FIXED_H}
+    reached = {m: t for m, t in times.items() if t is not None}
+    if not reached:
+        return None, None
+    best = min(reached, key=reached.__getitem__)
+    return best, reached[best]
+
+
 def swept_fixed(runs: dict[str, Any], codec: str) -> float | None:
     """The median time of the fixed H a user's sweep would pick, judged on seeds it did not see: for each seed of
     auto's runs, the fixed H (among those run at every such seed) of least median time over the other seeds, timed
@@ -221,6 +235,7 @@ def cell_checks(key: str, cell: dict[str, Any]) -> list[dict[str, Any]]:
         adloco_t = median_time(cell["runs"].get(f"adloco{tag}-auto", []))
         h10 = median_time(cell["runs"].get(f"diloco{tag}-h10", []))
         swept = swept_fixed(cell["runs"], codec)
+        beyond, beyond_t = beyond_grid(cell["runs"], codec)
 
         def ratio(t: float | None, base: float | None) -> float | None:
             return t / base if t is not None and base and base != math.inf else None
@@ -230,7 +245,8 @@ def cell_checks(key: str, cell: dict[str, Any]) -> list[dict[str, Any]]:
                        "auto_vs_h10": ratio(auto_t, h10), "adloco_vs_best": ratio(adloco_t, best_t),
                        "adloco_ran": f"adloco{tag}-auto" in cell["runs"], "swept_seconds": swept,
                        "auto_vs_swept": ratio(auto_t, swept),
-                       "adloco_vs_swept": ratio(adloco_t, swept)})  # fmt: skip
+                       "adloco_vs_swept": ratio(adloco_t, swept), "beyond": beyond, "beyond_seconds": beyond_t,
+                       "auto_vs_beyond": ratio(auto_t, beyond_t)})  # fmt: skip
     return checks
 
 
@@ -251,6 +267,15 @@ def _swept_text(check: dict[str, Any]) -> str:
         return "; a sweep's pick did not reach the target"
     ratio = check["auto_vs_swept"]
     return f"; against a sweep's pick {'not reached' if ratio is None else f'{ratio:.2f}×'}"
+
+
+def _beyond_text(check: dict[str, Any]) -> str:
+    """A cell's auto against a fixed H outside the grid (``beyond_grid``), for its verdict line: no target."""
+    if check["beyond"] is None:
+        return ""
+    ratio = check["auto_vs_beyond"]
+    figure = "auto did not reach the target" if ratio is None else f"auto {ratio:.2f}×"
+    return f"; against {check['beyond']} (outside the grid, no target: {check['beyond_seconds']:.1f} s) {figure}"
 
 
 def swept_summary(checks: Sequence[dict[str, Any]]) -> list[str]:
@@ -283,7 +308,7 @@ def verdicts(report: dict[str, Any]) -> list[str]:
         auto_text = "auto did not reach the target" if auto is None else ratio_text(auto, AUTO_VS_BEST)
         lines.append(f"- {c['cell']}, {c['codec']}: auto against the best fixed H ({c['best']}) {auto_text}: "
                      f"**{'met' if met else 'not met'}** (≤ {AUTO_VS_BEST}×); against H = 10 {h10}"
-                     f"{_swept_text(c)}")  # fmt: skip
+                     f"{_swept_text(c)}{_beyond_text(c)}")  # fmt: skip
     ratios = [c["auto_vs_best"] if c["auto_vs_best"] is not None else float("inf") for c in checks]
     if ratios:
         median = statistics.median(ratios)

@@ -87,3 +87,18 @@ def test_a_sweep_whose_picks_miss_the_target_is_said_so_and_left_out_of_the_medi
     lines = auto_sync.verdicts({"cells": {"c": {"runs": runs}}})
     assert "a sweep's pick did not reach the target" in lines[0]
     assert not any("sweep picks" in line for line in lines)
+
+
+def test_a_fixed_h_outside_the_grid_is_reported_beside_the_verdict_but_never_judged_as_its_best():
+    runs = {"diloco-h100": [_run(64.0, 1, 0), _run(60.0, 1, 1), _run(72.0, 1, 2)],
+            "diloco-h200": [_run(55.0, 1, 0), _run(52.0, 1, 1), _run(None, None, 2)],
+            "diloco-fp4-h400": [_run(10.0, 1, 0)],  # another codec: not this one's
+            "diloco-auto": [_run(56.0, 1, 0), _run(56.0, 1, 1), _run(69.0, 1, 2)]}  # fmt: skip
+    assert auto_sync.best_fixed(runs, "fp32") == ("diloco-h100", 64.0)
+    assert auto_sync.beyond_grid(runs, "fp32") == ("diloco-h200", 55.0)  # the miss at seed 2 counts as endless
+    line = auto_sync.verdicts({"cells": {"c": {"runs": runs}}})[0]
+    assert "best fixed H (diloco-h100) 0.88×: **met**" in line  # 56 against 64; H = 200 not the grid's
+    assert line.endswith("against diloco-h200 (outside the grid, no target: 55.0 s) auto 1.02×")
+    runs["diloco-h200"][0]["time_to_target"] = None  # two misses of three: its median is endless
+    assert auto_sync.beyond_grid(runs, "fp32") == (None, None)
+    assert "outside the grid" not in auto_sync.verdicts({"cells": {"c": {"runs": runs}}})[0]

@@ -184,15 +184,14 @@ def best_fixed(runs: dict[str, Any], codec: str) -> tuple[str | None, float | No
 def beyond_grid(runs: dict[str, Any], codec: str) -> tuple[str | None, float | None]:
     """The fastest fixed-H DiLoCo (median time) of an H outside the issue's grid (``FIXED_H``), for one codec: a
     slow link's best H may lie past the grid, and auto, bounded by ``sync_auto.max`` only, is then measured against
-    it too. (None, None) where no such H ran or none reached the target."""
+    it too. (None, None) where no such H ran; inf for the time where none of them reached the target."""
     prefix = "diloco-fp4-h" if codec == "fp4" else "diloco-h"
-    outside = [m for m in runs if m.startswith(prefix) and m.removeprefix(prefix).isdigit()]
+    outside = [m for m in runs if m.startswith(prefix) and m.removeprefix(prefix).isdecimal()]
     times = {m: median_time(runs[m]) for m in outside if int(m.removeprefix(prefix)) not in FIXED_H}
-    reached = {m: t for m, t in times.items() if t is not None}
-    if not reached:
+    if not times:
         return None, None
-    best = min(reached, key=reached.__getitem__)
-    return best, reached[best]
+    best = min(times, key=lambda m: math.inf if times[m] is None else times[m])
+    return best, math.inf if times[best] is None else times[best]
 
 
 def swept_fixed(runs: dict[str, Any], codec: str) -> float | None:
@@ -273,6 +272,8 @@ def _beyond_text(check: dict[str, Any]) -> str:
     """A cell's auto against a fixed H outside the grid (``beyond_grid``), for its verdict line: no target."""
     if check["beyond"] is None:
         return ""
+    if check["beyond_seconds"] == math.inf:
+        return f"; {check['beyond']} (outside the grid) did not reach the target"
     ratio = check["auto_vs_beyond"]
     figure = "auto did not reach the target" if ratio is None else f"auto {ratio:.2f}×"
     return f"; against {check['beyond']} (outside the grid, no target: {check['beyond_seconds']:.1f} s) {figure}"

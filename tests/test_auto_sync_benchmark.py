@@ -99,6 +99,11 @@ def test_a_fixed_h_outside_the_grid_is_reported_beside_the_verdict_but_never_jud
     line = auto_sync.verdicts({"cells": {"c": {"runs": runs}}})[0]
     assert "best fixed H (diloco-h100) 0.88×: **met**" in line  # 56 against 64; H = 200 not the grid's
     assert line.endswith("against diloco-h200 (outside the grid, no target: 55.0 s) auto 1.02×")
-    runs["diloco-h200"][0]["time_to_target"] = None  # two misses of three: its median is endless
+    assert auto_sync.beyond_grid(runs, "fp4") == ("diloco-fp4-h400", 10.0)
+    runs["diloco-h200"][0]["time_to_target"] = None  # two misses of three: its median is endless, and said so
+    assert auto_sync.beyond_grid(runs, "fp32") == ("diloco-h200", math.inf)
+    line = auto_sync.verdicts({"cells": {"c": {"runs": runs}}})[0]
+    assert line.endswith("; diloco-h200 (outside the grid) did not reach the target")
+    del runs["diloco-h200"]
     assert auto_sync.beyond_grid(runs, "fp32") == (None, None)
     assert "outside the grid" not in auto_sync.verdicts({"cells": {"c": {"runs": runs}}})[0]

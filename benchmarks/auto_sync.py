@@ -44,16 +44,21 @@ AUTO_VS_BEST, AUTO_MEDIAN, ADLOCO_VS_BEST, ADLOCO_NEVER, IN_PROCESS_LOSS = 1.1, 
 
 
 def method_overrides(method: str, ranks: int) -> list[str]:
-    """``ddp``, ``diloco[-fp4]-h<H>``, ``diloco[-fp4]-auto`` and ``adloco[-fp4]-auto`` (one trainer of all ranks)."""
-    codec = CODECS["fp4" if "-fp4" in method else "fp32"]
+    """``ddp``, ``diloco[-fp4]-h<H>``, ``diloco[-fp4]-auto`` and ``adloco[-fp4]-auto`` (one trainer of all ranks);
+    ``-max<N>`` after ``auto`` lifts its bound, ``sync_auto.max`` (a row of its own, outside the verdicts)."""
+    settings = CODECS["fp4" if "-fp4" in method else "fp32"]
     workers = f"workers={ranks}"
     if method == "ddp":
         return ["method=ddp", workers]
+    method, _, bound = method.partition("-auto-max")
+    if bound:
+        method += "-auto"
+        settings = [*settings, f"sync_auto.max={bound}"]
     h = method.rsplit("-", 1)[1]
     sync = "sync_every=auto" if h == "auto" else f"sync_every={h.removeprefix('h')}"
     if method.startswith("adloco"):
-        return ["method=adloco", "trainers=1", workers, "batch.ema=0.5", sync, *codec]
-    return ["method=diloco", workers, sync, *codec]
+        return ["method=adloco", "trainers=1", workers, "batch.ema=0.5", sync, *settings]
+    return ["method=diloco", workers, sync, *settings]
 
 
 def methods_of(codecs: Sequence[str]) -> list[str]:

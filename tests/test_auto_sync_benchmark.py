@@ -107,3 +107,14 @@ def test_a_fixed_h_outside_the_grid_is_reported_beside_the_verdict_but_never_jud
     del runs["diloco-h200"]
     assert auto_sync.beyond_grid(runs, "fp32") == (None, None)
     assert "outside the grid" not in auto_sync.verdicts({"cells": {"c": {"runs": runs}}})[0]
+
+
+def test_a_lifted_bound_runs_auto_under_a_name_of_its_own_and_leaves_the_verdicts_to_auto():
+    assert auto_sync.method_overrides("diloco-auto-max1000", 2) == [
+        "method=diloco", "workers=2", "sync_every=auto", "sync_auto.max=1000"]  # fmt: skip
+    assert auto_sync.method_overrides("adloco-fp4-auto-max500", 4)[-3:] == [
+        "sync_every=auto", "codec.name=fp4-e2m1", "sync_auto.max=500"]  # fmt: skip
+    runs = {"diloco-h100": [_run(64.0, 1, 0)], "diloco-auto": [_run(56.0, 1, 0)],
+            "diloco-auto-max1000": [_run(30.0, 1, 0)]}  # fmt: skip
+    (check,) = auto_sync.cell_checks("c", {"runs": runs})
+    assert check["auto_seconds"] == 56.0 and check["beyond"] is None

@@ -50,9 +50,11 @@ def method_overrides(method: str, ranks: int) -> list[str]:
     workers = f"workers={ranks}"
     if method == "ddp":
         return ["method=ddp", workers]
-    method, _, bound = method.partition("-auto-max")
-    if bound:
-        method += "-auto"
+    base, lifted, bound = method.partition("-auto-max")
+    if lifted:
+        if not bound.isdecimal() or not base.startswith(("diloco", "adloco")):
+            raise ValueError(f"{method}: -auto-max takes a number of inner steps after a DiLoCo or AdLoCo method")
+        method = base + "-auto"
         settings = [*settings, f"sync_auto.max={bound}"]
     h = method.rsplit("-", 1)[1]
     sync = "sync_every=auto" if h == "auto" else f"sync_every={h.removeprefix('h')}"
@@ -281,7 +283,7 @@ def _beyond_text(check: dict[str, Any]) -> str:
         return f"; {check['beyond']} (outside the grid) did not reach the target"
     ratio = check["auto_vs_beyond"]
     figure = "auto did not reach the target" if ratio is None else f"auto {ratio:.2f}×"
-    return f"; against {check['beyond']} (outside the grid, no target: {check['beyond_seconds']:.1f} s) {figure}"
+    return f"; against {check['beyond']} (outside the grid, {check['beyond_seconds']:.1f} s; no target) {figure}"
 
 
 def swept_summary(checks: Sequence[dict[str, Any]]) -> list[str]:
@@ -492,6 +494,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.cells = [c for c in args.cells.split(",") if c]
     args.methods = args.methods.split(",") if args.methods else methods_of(args.codecs.split(","))
+    for method in args.methods:  # a bad name stops here, before a link is built
+        try:
+            method_overrides(method, 2)
+        except (ValueError, IndexError):
+            parser.error(f"--methods: {method} is not a method this benchmark knows")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.once = set(args.once.split(","))
     args.in_process_methods = args.in_process_methods.split(",")

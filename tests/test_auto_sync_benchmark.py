@@ -5,6 +5,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 _BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(_BENCHMARKS))  # the benchmark imports its sibling link.py by name
 _spec = importlib.util.spec_from_file_location("adloco_auto_sync_benchmark", _BENCHMARKS / "auto_sync.py")
@@ -98,7 +100,7 @@ def test_a_fixed_h_outside_the_grid_is_reported_beside_the_verdict_but_never_jud
     assert auto_sync.beyond_grid(runs, "fp32") == ("diloco-h200", 55.0)  # the miss at seed 2 counts as endless
     line = auto_sync.verdicts({"cells": {"c": {"runs": runs}}})[0]
     assert "best fixed H (diloco-h100) 0.88×: **met**" in line  # 56 against 64; H = 200 not the grid's
-    assert line.endswith("against diloco-h200 (outside the grid, no target: 55.0 s) auto 1.02×")
+    assert line.endswith("against diloco-h200 (outside the grid, 55.0 s; no target) auto 1.02×")
     assert auto_sync.beyond_grid(runs, "fp4") == ("diloco-fp4-h400", 10.0)
     runs["diloco-h200"][0]["time_to_target"] = None  # two misses of three: its median is endless, and said so
     assert auto_sync.beyond_grid(runs, "fp32") == ("diloco-h200", math.inf)
@@ -118,3 +120,10 @@ def test_a_lifted_bound_runs_auto_under_a_name_of_its_own_and_leaves_the_verdict
             "diloco-auto-max1000": [_run(30.0, 1, 0)]}  # fmt: skip
     (check,) = auto_sync.cell_checks("c", {"runs": runs})
     assert check["auto_seconds"] == 56.0 and check["beyond"] is None
+    for name in ("diloco-auto-max", "diloco-fp4-auto-max", "diloco-auto-maxabc", "diloco-auto-max1000-fp4",
+                 "ddp-auto-max5"):  # fmt: skip
+        with pytest.raises(ValueError, match="-auto-max takes a number"):
+            auto_sync.method_overrides(name, 2)
+    with pytest.raises(SystemExit) as refused:  # refused before any link is built
+        auto_sync.main(["--cells", "2:20", "--methods", "diloco-auto,diloco-auto-max"])
+    assert refused.value.code == 2

@@ -177,28 +177,35 @@ def median_time(runs: Sequence[dict[str, Any]], field: str = "time_to_target") -
     return None if value == math.inf else value
 
 
-def best_fixed(runs: dict[str, Any], codec: str) -> tuple[str | None, float | None]:
-    """The fixed-H DiLoCo with the least median time to the target, for one codec."""
-    tag = "-fp4" if codec == "fp4" else ""
-    times = {f"diloco{tag}-h{h}": median_time(runs.get(f"diloco{tag}-h{h}", [])) for h in FIXED_H}
-    reached = {m: t for m, t in times.items() if t is not None}
-    if not reached:
+def fixed_h_methods(runs: dict[str, Any], codec: str) -> dict[int, str]:
+    """The fixed-H DiLoCo methods a cell ran for one codec, by H, in order of H."""
+    prefix = f"diloco{'-fp4' if codec == 'fp4' else ''}-h"
+    named = [(m.removeprefix(prefix), m) for m in runs if m.startswith(prefix)]
+    return dict(sorted((int(h), m) for h, m in named if h.isdecimal()))
+
+
+def _fastest(runs: dict[str, Any], methods: Sequence[str]) -> tuple[str | None, float | None]:
+    """Of ``methods``, the one of least median time to the target, inf for the time where none reached it;
+    (None, None) for no methods."""
+    times = {m: math.inf if (t := median_time(runs[m])) is None else t for m in methods}
+    if not times:
         return None, None
-    best = min(reached, key=reached.__getitem__)
-    return best, reached[best]
+    best = min(times, key=times.__getitem__)
+    return best, times[best]
+
+
+def best_fixed(runs: dict[str, Any], codec: str) -> tuple[str | None, float | None]:
+    """The fixed-H DiLoCo of the grid (``FIXED_H``) with the least median time to the target, for one codec;
+    (None, None) where none reached it."""
+    best, seconds = _fastest(runs, [m for h, m in fixed_h_methods(runs, codec).items() if h in FIXED_H])
+    return (None, None) if seconds == math.inf else (best, seconds)
 
 
 def beyond_grid(runs: dict[str, Any], codec: str) -> tuple[str | None, float | None]:
     """The fastest fixed-H DiLoCo (median time) of an H outside the issue's grid (``FIXED_H``), for one codec: a
     slow link's best H may lie past the grid, and auto, bounded by ``sync_auto.max`` only, is then measured against
     it too. (None, None) where no such H ran; inf for the time where none of them reached the target."""
-    prefix = "diloco-fp4-h" if codec == "fp4" else "diloco-h"
-    outside = [m for m in runs if m.startswith(prefix) and m.removeprefix(prefix).isdecimal()]
-    times = {m: median_time(runs[m]) for m in outside if int(m.removeprefix(prefix)) not in FIXED_H}
-    if not times:
-        return None, None
-    best = min(times, key=lambda m: math.inf if times[m] is None else times[m])
-    return best, math.inf if times[best] is None else times[best]
+    return _fastest(runs, [m for h, m in fixed_h_methods(runs, codec).items() if h not in FIXED_H])
 
 
 def swept_fixed(runs: dict[str, Any], codec: str) -> float | None:

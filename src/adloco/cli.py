@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"adloco {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_train(commands)
+    _add_prepare(commands)
     evaluate = commands.add_parser("eval", help="validation loss and perplexity of a run's exported model")
     evaluate.add_argument("run_dir", metavar="RUN_DIR")
     sample = commands.add_parser("sample", help="generate text with a run's exported model")
@@ -94,6 +95,53 @@ def _add_lighthouse(commands) -> None:
         "--heartbeat-timeout", type=float, default=5.0, metavar="S",
         help="a replica silent for this long is taken for dead and not waited for (default 5 s)",
     )  # fmt: skip
+
+
+def _count(text: str) -> int:
+    """A whole number, also written as 1e8 or 100_000_000."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return int(value)
+
+
+def _add_prepare(commands) -> None:
+    from adloco.data.prepare import PrepareSettings
+
+    default = PrepareSettings("")
+    prepare = commands.add_parser(
+        "prepare", help="tokenize a corpus once into token shards that training memory-maps (data.dataset=DIR)"
+    )
+    prepare.add_argument("source", metavar="SOURCE", help="a text file, folder, .jsonl, .parquet or hf:NAME")
+    prepare.add_argument("--out", required=True, metavar="DIR", help="folder to write (run again to resume)")
+    prepare.add_argument("--tokenizer", default=default.tokenizer,
+                         help="bpe (trained here, default), byte, a tokenizer folder or hf:NAME")  # fmt: skip
+    prepare.add_argument("--vocab-size", type=_count, default=default.vocab_size, help="bpe: vocabulary (32768)")
+    prepare.add_argument("--bpe-chars", type=_count, default=default.bpe_chars,
+                         help="bpe: train on at most this many characters (1e8)")  # fmt: skip
+    prepare.add_argument("--bpe-every", type=_count, default=default.bpe_every,
+                         help="bpe: train on every K-th training document, spreading the sample (1)")  # fmt: skip
+    prepare.add_argument("--shard-tokens", type=_count, default=default.shard_tokens,
+                         help="tokens per shard (1e8)")  # fmt: skip
+    prepare.add_argument("--val-documents", type=_count, default=default.val_documents,
+                         help="documents held out for validation at most (1000)")  # fmt: skip
+    prepare.add_argument("--val-every", type=_count, default=default.val_every,
+                         help="hold out every K-th document until --val-documents are (100)")  # fmt: skip
+    prepare.add_argument("--val-fraction", type=float, default=default.val_fraction,
+                         help="a single text file: its trailing fraction for validation (0.1)")  # fmt: skip
+    prepare.add_argument("--text-field", default=default.text_field, help="JSON Lines/Parquet/dataset field (text)")
+    prepare.add_argument("--hf-config", default=None, help="Hugging Face dataset configuration")
+    prepare.add_argument("--hf-data-files", default=None, help="data_files for datasets.load_dataset")
+    prepare.add_argument("--split", default=default.split, help="Hugging Face dataset split (train)")
+    prepare.add_argument("--suffixes", default=",".join(default.suffixes),
+                         help="a folder's files to read, by suffix ('*': all; unreadable ones skipped)")  # fmt: skip
+    prepare.add_argument("--workers", type=_count, default=len(os.sched_getaffinity(0)),
+                         help="tokenizing processes (default: the CPUs this process may use)")  # fmt: skip
+    loudness = prepare.add_mutually_exclusive_group()
+    loudness.add_argument("-q", "--quiet", action="store_true", help="no progress; errors and the result only")
 
 
 def _add_train(commands) -> None:
@@ -159,6 +207,8 @@ def _command(args: argparse.Namespace) -> int:
     try:
         if args.command == "train":
             return _train(args, load_config)
+        if args.command == "prepare":
+            return _prepare(args)
         if args.command in ("eval", "sample", "plot"):
             return _use_run(args)
         if args.command == "gradients":
@@ -208,6 +258,23 @@ def _command(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":  # every rank stops at the same boundary; rank 0 speaks for the job
             print(f"adloco: {_one_line(error)}", file=sys.stderr)
         return error.exit_code
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from adloco.data.prepare import PrepareSettings, prepare, summary
+
+    suffixes = tuple(s.strip() for s in args.suffixes.split(",") if s.strip())
+    settings = PrepareSettings(
+        args.source, args.tokenizer, args.vocab_size, args.bpe_chars, args.bpe_every, args.shard_tokens,
+        args.val_documents, args.val_every, args.val_fraction, args.text_field, args.hf_config, args.hf_data_files,
+        args.split, suffixes, args.workers,
+    )  # fmt: skip
+    console = Console(stderr=True, quiet=args.quiet)
+    manifest = prepare(settings, Path(args.out), console)
+    print(summary(manifest, Path(args.out)))
     return 0
 
 

@@ -8,6 +8,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from adloco.checkpoint import CheckpointError
+from adloco.data.sampling import cursor_end, regrouped
+from adloco.data.token_files import names_token_files
 
 if TYPE_CHECKING:
     from adloco.cluster import Cluster
@@ -89,8 +91,11 @@ def _resize(cluster: Cluster, saved: dict[int, dict], saved_ids: list[int]) -> N
             "elastic=true to let the worker count change"
         )
     current = set(range(cluster.config.total_workers))
-    for w in sorted(set(saved_ids) - current):
-        cluster.retired_streams[w] = saved[w]["stream"]
+    if names_token_files(cluster.config.data.dataset):
+        _regroup_cursors(cluster, saved)
+    else:
+        for w in sorted(set(saved_ids) - current):
+            cluster.retired_streams[w] = saved[w]["stream"]
     for trainer in cluster.trainers.values():
         trainer.worker_ids = [w for w in trainer.worker_ids if w in current]
     joined = sorted(current - set(saved_ids))
@@ -108,3 +113,22 @@ def _resize(cluster: Cluster, saved: dict[int, dict], saved_ids: list[int]) -> N
         joined or "none",
     )
     cluster.resized = (len(saved_ids), len(current))
+
+
+def _regroup_cursors(cluster: Cluster, saved: dict[int, dict]) -> None:
+    """Token files: every worker of the new count reads on from the first position past all the saved workers'
+    reads (``adloco.data.sampling.regrouped``); no stream is kept for a retired worker, none is needed."""
+    ends = {w: cursor_end(state["stream"]) for w, state in saved.items()}
+    if cluster.comm.world_size > 1:  # a rank holds its own workers' states and the retiring ones': pool them
+        gathered = cluster.comm.gather_objects(ends)
+        pooled = None if gathered is None else {w: end for part in gathered for w, end in part.items()}
+        ends = cluster.comm.broadcast_object(pooled)
+    windows = next(iter(cluster.workers.values())).stream.cursor.order.n
+    cursors = regrouped(ends, windows, cluster.config.total_workers)
+    for w, worker in cluster.workers.items():
+        if w in saved:
+            saved[w]["stream"] = cursors[w]
+        else:
+            worker.stream.load_state_dict(cursors[w])
+    log.info("elastic: token files read on from position %d with %d workers", cursors[0]["base"],
+             cluster.config.total_workers)  # fmt: skip

@@ -28,6 +28,7 @@ from adloco.config_sections import (
     StreamingConfig,
     SyncAutoConfig,
 )
+from adloco.data.token_files import names_token_files
 from adloco.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -321,7 +322,9 @@ class TrainConfig(BaseModel):
         if self.trainers != 1:
             raise ValueError(f"elastic: resizes one trainer's workers; this run has trainers={self.trainers}")
         if self.data.streaming:
-            raise ValueError("elastic: a streamed corpus is dealt out to a fixed worker count; use the in-memory one")
+            raise ValueError(
+                "elastic: a streamed corpus is dealt out to a fixed worker count; use the in-memory one or token files"
+            )
         if isinstance(self.batch.step_seconds, list):
             raise ValueError("elastic: batch.step_seconds pins one pair per worker; give one [a, c] for all")
         if self.outer.overlap == "eager":
@@ -351,8 +354,11 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"model.preset: {model.preset} is an encoder for task=classification, not a language model"
             )
-        if self.task == "lm" and self.data.val_dataset is not None:
-            raise ValueError("data.val_dataset: only task=classification reads a separate validation file")
+        if self.task == "lm" and self.data.val_dataset is not None and not names_token_files(self.data.dataset):
+            raise ValueError(
+                "data.val_dataset: a separate validation file is read by task=classification and by .bin/.npy token "
+                "files"
+            )
 
     @property
     def total_workers(self) -> int:

@@ -62,13 +62,14 @@ class DataConfig(_Section):
     dataset: str = Field(
         "tinyshakespeare",
         description="'tinyshakespeare' (bundled), a UTF-8 text file, a folder of *.txt/*.md files, a .jsonl or "
-        ".parquet file, or hf:NAME (Hugging Face datasets). See docs/data.md.",
+        ".parquet file, hf:NAME (Hugging Face datasets), or token files: a folder written by adloco prepare, "
+        ".bin (nanoGPT, llm.c) or .npy files (a path or a glob). See docs/data.md.",
     )
-    tokenizer: str = Field(
-        "byte",
+    tokenizer: str | None = Field(
+        None,
         min_length=1,
         description="'byte' (vocabulary of 256), 'bpe' (byte-level BPE trained on the training split), a local "
-        "Hugging Face tokenizer folder, or hf:NAME.",
+        "Hugging Face tokenizer folder, or hf:NAME. Default: a prepared folder's own tokenizer, else 'byte'.",
     )
     vocab_size: int = Field(512, ge=258, le=1_000_000, description="tokenizer=bpe: vocabulary size to train.")
     bpe_max_chars: int = Field(
@@ -88,13 +89,34 @@ class DataConfig(_Section):
     text_field: str = Field("text", description="Field (jsonl key or csv column) holding the text of a row.")
     label_field: str = Field("label", description="task=classification: field holding a row's label.")
     val_dataset: str | None = Field(
-        None, description="task=classification: a separate labelled validation file instead of val_fraction."
+        None,
+        description="A separate validation file: labelled rows for task=classification, token files (.bin/.npy) "
+        "for .bin/.npy training files (instead of their trailing val_fraction).",
+    )
+    verify: Literal["sha256", "size"] = Field(
+        "sha256",
+        description="Prepared token folders: check every shard's sha256 against the manifest before training "
+        "(about 1.5 GB/s), or only its size.",
     )
 
     @field_validator("dataset", "tokenizer", "val_dataset", "hf_name", "hf_data_files")
     @classmethod
     def _local_paths_absolute(cls, value: str | None) -> str | None:
         return _absolute_if_local(value, keywords=("tinyshakespeare", "byte", "bpe"))
+
+    @model_validator(mode="after")
+    def _token_files(self) -> DataConfig:
+        """A prepared folder brings its tokenizer (another one named is refused); token files are never streamed."""
+        from adloco.data.token_files import names_token_files, prepared_folder, run_tokenizer
+
+        folder = prepared_folder(self.dataset)
+        if folder is not None:
+            self.tokenizer = run_tokenizer(folder, self.tokenizer)
+        elif self.tokenizer is None:
+            self.tokenizer = "byte"
+        if self.streaming and names_token_files(self.dataset):
+            raise ValueError("data.streaming: token files are read through memory maps already; leave it false")
+        return self
 
 
 class InnerConfig(_Section):

@@ -359,6 +359,9 @@ class _ReplicaLoop:
         """After a heal the step is the peers': read past the samples of the steps this worker did not take."""
         batch = self.diloco.batch
         target = self.diloco.inner_step * self.b if batch is None else batch.worker_samples
+        if hasattr(self.stream, "skip") and self.read < target:  # token files: the cursor moves, nothing is read
+            self.stream.skip(target - self.read)
+            self.read = target
         while self.read < target:
             size = min(target - self.read, 4096)
             self.stream.next_batch(size)

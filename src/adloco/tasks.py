@@ -20,7 +20,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from adloco.config import ConfigError, TrainConfig
-from adloco.data import BUNDLED, DataError, Tokenizer, TokenStream, spread, validation_blocks
+from adloco.data import BUNDLED, DataError, Tokenizer, spread
 from adloco.data.labelled import LabelledRows, LabelledSplit, SampleStream, label_names, read_labelled, split_rows
 from adloco.model import ModelSpec, classification_loss, max_positions, next_token_loss, resolve_model
 
@@ -118,11 +118,15 @@ class LanguageModelling(Task):
         super().__init__(spec, seed)
         self.corpus = corpus
         self._blocks: dict[tuple[int | None, str], torch.Tensor] = {}
+        largest = getattr(corpus, "largest_id", -1)
+        if largest >= self.vocab_size:  # token files name their ids; a model without a row for one cannot train
+            raise DataError(
+                f"data '{corpus.where}' holds token id {largest:,}, at or above the model's vocabulary "
+                f"({self.vocab_size:,})"
+            )
 
     def stream(self, seed: int, worker: int, workers: int) -> Stream:
-        if hasattr(self.corpus, "stream"):
-            return self.corpus.stream(self.context, seed, worker, workers)
-        return TokenStream(self.corpus.train, self.context, seed)
+        return self.corpus.stream(self.context, seed, worker, workers)
 
     # The function itself, not a wrapper: worker groups recognise it as the loss their stacked forward computes.
     loss = staticmethod(next_token_loss)
@@ -134,7 +138,7 @@ class LanguageModelling(Task):
     def validation_blocks(self, limit: int | None, device: torch.device) -> torch.Tensor:
         key = (limit, str(device))
         if key not in self._blocks:
-            self._blocks[key] = validation_blocks(self.corpus.val, self.context, limit).to(device)
+            self._blocks[key] = self.corpus.validation_blocks(self.context, limit).to(device)
         return self._blocks[key]
 
     def evaluate(self, model: torch.nn.Module, theta: Sequence[torch.Tensor], limit: int | None = None) -> Evaluation:

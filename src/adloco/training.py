@@ -38,11 +38,13 @@ from adloco.data import (
     SAVED_DIR,
     build_tokenizer,
     load_corpus,
+    names_token_files,
     save_byte_tokenizer,
     save_tokenizer,
     source_from_config,
     training_texts,
 )
+from adloco.data.token_files import check_resumed_tokenizer
 from adloco.errors import StorageError
 from adloco.metrics import MetricsWriter, RunDisplay
 from adloco.placement import check_world, elastic_size, hosted_workers, resolve_device
@@ -213,6 +215,13 @@ def tokenizer_and_task(config: TrainConfig, resume: Path | None) -> tuple:
     if config.task == "classification":
         tokenizer = build_tokenizer(config.data, classification_texts(config), saved)
         return tokenizer, build_task(config, tokenizer)
+    if names_token_files(config.data.dataset):  # tokenized already: the tokenizer is the one that wrote them
+        tokenizer = build_tokenizer(config.data, None, saved)
+        if saved is not None:
+            check_resumed_tokenizer(config.data.dataset, saved)
+        return tokenizer, build_task(
+            config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context, seed=config.seed)
+        )
     source = source_from_config(config.data)
     tokenizer = build_tokenizer(config.data, training_texts(config.data, source), saved)
     return tokenizer, build_task(

@@ -32,6 +32,7 @@ from adloco.api.worker import WorkerShards
 from adloco.batch.policy import TrainerBatch, pace_for
 from adloco.batch.rounds import pinned_seconds
 from adloco.config import BatchConfig, ConfigError
+from adloco.data.windows import TokenWindows, WindowSampler
 from adloco.pace import CostModel, Pace, pinned_costs
 from adloco.sharded_worker import backward_shard
 from adloco.sync import RoundState, WorkerRound
@@ -296,11 +297,17 @@ class AdaptiveBatch:
         return self.policy.decision_record()
 
     # -- data ----------------------------------------------------------------------------------------------------
-    def sampler(self, dataset_size: int, seed: int = 0, shuffle: bool = True) -> BatchSampler:
+    def sampler(self, dataset: int | TokenWindows, seed: int = 0, shuffle: bool = True) -> BatchSampler | WindowSampler:
         """A batch sampler (``DataLoader(dataset, batch_sampler=...)``) whose every batch is the coming step's
-        ``samples`` indices; epochs follow one another without end. Give each worker its own ``seed`` (the ranks of
-        a sharded worker the same one: they read the worker's whole batch)."""
-        return BatchSampler(self, dataset_size, seed, shuffle)
+        ``samples`` indices; epochs follow one another without end.
+
+        ``dataset``: a size, for a dataset of that many samples: give each worker its own ``seed`` (the ranks of a
+        sharded worker the same one: they read the worker's whole batch). Or token files' ``TokenWindows``: every
+        worker the same ``seed``; each reads its own positions of one window order (disjoint within an epoch,
+        as ``adloco train`` reads them), and the sampler's state is a counter."""
+        if isinstance(dataset, TokenWindows):
+            return WindowSampler(len(dataset), seed, self.worker_id, self.total_workers, lambda: self.samples)
+        return BatchSampler(self, dataset, seed, shuffle)
 
     # -- state ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

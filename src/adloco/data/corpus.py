@@ -1,4 +1,4 @@
-"""A corpus split into training and validation: in memory, or streamed from its source."""
+"""A corpus split into training and validation: in memory, streamed from its source, or token files."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from adloco.data.sampling import WindowStream
 from adloco.data.sources import DataError, Source, resolve_source, source_from_config
-from adloco.data.streams import PackedStream, TokenStream
+from adloco.data.streams import PackedStream, TokenStream, spread, validation_blocks
+from adloco.data.token_files import TokenArray, TokenSource, names_token_files, open_token_source
 from adloco.data.tokenization import ByteTokenizer, Tokenizer
 
 if TYPE_CHECKING:
@@ -60,6 +62,9 @@ class Corpus:
         """A worker's stream of uniformly drawn windows (every worker samples the whole training split)."""
         return TokenStream(self.train, context, seed)
 
+    def validation_blocks(self, context: int, limit: int | None) -> torch.Tensor:
+        return validation_blocks(self.val, context, limit)
+
 
 @dataclass
 class StreamingCorpus:
@@ -99,6 +104,56 @@ class StreamingCorpus:
             self.source, self.tokenizer, context, seed, worker, workers, self.val_documents, self.shuffle_buffer
         )
 
+    def validation_blocks(self, context: int, limit: int | None) -> torch.Tensor:
+        return validation_blocks(self.val, context, limit)
+
+
+@dataclass
+class TokenCorpus:
+    """Token files (a prepared folder, .bin or .npy files), memory-mapped: every worker reads the positions of
+    one shared window order keyed by the run's ``seed`` (``adloco.data.sampling``)."""
+
+    train: TokenArray
+    val: TokenArray
+    seed: int
+    where: str
+    largest_id: int  # the largest token id in the files
+
+    @classmethod
+    def load(cls, data: DataConfig, tokenizer: Tokenizer, context: int, seed: int) -> TokenCorpus:
+        source = open_token_source(data.dataset, data.val_dataset, data.val_fraction, data.verify == "sha256")
+        if source.val is None:
+            raise DataError(f"data '{source.where}' has no validation tokens")
+        check_vocabulary(source, tokenizer.vocab_size, f"the vocabulary of tokenizer '{tokenizer.name}'")
+        corpus = cls(source.train, source.val, seed, source.where, source.max_id())
+        for name, part in (("training", corpus.train), ("validation", corpus.val)):
+            if len(part) < context + 1:
+                raise DataError(
+                    f"data '{source.where}': the {name} split has {len(part)} tokens, fewer than one context of "
+                    f"{context} plus one"
+                )
+        return corpus
+
+    def stream(self, context: int, seed: int, worker: int, workers: int) -> WindowStream:
+        """Worker ``worker`` of ``workers`` (``seed``, the worker's own, is not used: the order is the run's)."""
+        return WindowStream(self.train, context, self.seed, worker, workers)
+
+    def validation_blocks(self, context: int, limit: int | None) -> torch.Tensor:
+        """Non-overlapping windows over the validation tokens (``limit`` of them spread evenly), read from the
+        files without loading the split."""
+        starts = spread(self.val.windows(context), limit).numpy() * context
+        return torch.from_numpy(self.val.gather(starts, context + 1))
+
+
+def check_vocabulary(source: TokenSource, vocab_size: int, what: str) -> None:
+    """Every id of the token files must be below ``vocab_size`` (an embedding has no row for the others)."""
+    largest = source.max_id()
+    if largest >= vocab_size:
+        raise DataError(
+            f"data '{source.where}' holds token id {largest:,}, at or above {what} ({vocab_size:,}); set "
+            "data.tokenizer to the tokenizer that wrote the files"
+        )
+
 
 def training_texts(data: DataConfig, source: Source | None = None) -> Iterator[str]:
     """The training split as texts, for training a tokenizer (lazily when streaming)."""
@@ -113,9 +168,12 @@ def training_texts(data: DataConfig, source: Source | None = None) -> Iterator[s
 
 
 def load_corpus(
-    data: DataConfig, tokenizer: Tokenizer, context: int, source: Source | None = None
-) -> Corpus | StreamingCorpus:
-    """The corpus a ``DataConfig`` describes, in memory or streamed."""
+    data: DataConfig, tokenizer: Tokenizer, context: int, source: Source | None = None, seed: int = 0
+) -> Corpus | StreamingCorpus | TokenCorpus:
+    """The corpus a ``DataConfig`` describes: in memory, streamed, or token files (their window order keyed by
+    ``seed``)."""
+    if source is None and names_token_files(data.dataset):
+        return TokenCorpus.load(data, tokenizer, context, seed)
     source = source or source_from_config(data)
     if data.streaming:
         return StreamingCorpus.load(source, tokenizer, context, data.val_documents, data.shuffle_buffer)

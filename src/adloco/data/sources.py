@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -32,7 +33,8 @@ def first_line(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
-def _decode(raw: bytes, where: str) -> str:
+def decode_text(raw: bytes, where: str) -> str:
+    """UTF-8 text; binary (NUL bytes) or other encodings are a DataError naming ``where``."""
     if b"\x00" in raw:
         raise DataError(f"{where} looks binary (it contains NUL bytes)")
     try:
@@ -48,21 +50,29 @@ def bundled_text(name: str) -> str:
 
 def read_text_file(path: Path) -> str:
     """A whole UTF-8 text file; binary or non-UTF-8 content is a DataError."""
-    return _decode(path.read_bytes(), f"data file '{path}'")
+    return decode_text(path.read_bytes(), f"data file '{path}'")
 
 
 def iter_text_lines(path: Path) -> Iterator[str]:
     """The lines of a UTF-8 text file, each with its line end, read lazily."""
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
-            yield _decode(raw, f"data file '{path}' line {number}")
+            yield decode_text(raw, f"data file '{path}' line {number}")
 
 
-def folder_files(path: Path) -> list[Path]:
-    """The text files (*.txt, *.md) under a folder, recursively, in sorted order."""
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+def folder_files(path: Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[Path]:
+    """The files with one of ``suffixes`` (default *.txt, *.md) under a folder, recursively, in sorted order
+    (``*`` takes every file)."""
+    every = "*" in suffixes
+    wanted = {s.lower() for s in suffixes}
+    files = sorted(
+        Path(root, name)
+        for root, _, names in os.walk(path)
+        for name in names
+        if (every or os.path.splitext(name)[1].lower() in wanted) and os.path.isfile(os.path.join(root, name))
+    )
     if not files:
-        raise DataError(f"data folder '{path}' has no {' or '.join('*' + s for s in TEXT_SUFFIXES)} files")
+        raise DataError(f"data folder '{path}' has no {' or '.join('*' + s for s in suffixes)} files")
     return files
 
 
@@ -94,7 +104,7 @@ def iter_records(path: str | Path, format: Literal["jsonl", "parquet"], start: i
                 if not raw.strip():
                     continue
                 if index >= start:
-                    line = _decode(raw, f"data file '{path}' line {number}")
+                    line = decode_text(raw, f"data file '{path}' line {number}")
                     try:
                         row = json.loads(line)
                     except ValueError as error:
@@ -148,6 +158,7 @@ class Source:
     hf_config: str | None = None
     split: str = "train"
     hf_data_files: str | None = None
+    suffixes: tuple[str, ...] = TEXT_SUFFIXES  # a folder's files that are read
 
     @property
     def line_documents(self) -> bool:
@@ -169,7 +180,7 @@ class Source:
             path = Path(self.location)
             yield from _skip(iter_text_lines(path) if streaming else iter([read_text_file(path)]), start)
         elif self.kind == "folder":
-            files = folder_files(Path(self.location))
+            files = folder_files(Path(self.location), self.suffixes)
             if streaming:
                 yield from _skip(self._folder_lines(files), start)
             else:
@@ -269,6 +280,7 @@ def resolve_source(
     hf_config: str | None = None,
     split: str = "train",
     hf_data_files: str | None = None,
+    suffixes: tuple[str, ...] = TEXT_SUFFIXES,
 ) -> Source:
     """What ``dataset`` names: a bundled corpus, ``hf:NAME``, a folder, a .jsonl/.parquet file or a text file."""
     extra = {"text_field": text_field, "separator": separator}
@@ -284,8 +296,8 @@ def resolve_source(
     if not path.exists():
         raise DataError(f"data file '{dataset}' does not exist (bundled datasets: {', '.join(BUNDLED)})")
     if path.is_dir():
-        folder_files(path)  # an empty folder is an error now, not at the first batch
-        return Source("folder", dataset, **extra)
+        folder_files(path, suffixes)  # an empty folder is an error now, not at the first batch
+        return Source("folder", dataset, **extra, suffixes=suffixes)
     if not path.is_file():
         raise DataError(f"data path '{dataset}' is not a file")
     suffix = path.suffix.lower()

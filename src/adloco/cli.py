@@ -113,7 +113,7 @@ def _add_prepare(commands) -> None:
 
     default = PrepareSettings("")
     prepare = commands.add_parser(
-        "prepare", help="tokenize a corpus once into token shards that training memory-maps (data.dataset=DIR)"
+        "prepare", help="tokenize a corpus once into token shards that training reads (data.dataset=DIR)"
     )
     prepare.add_argument("source", metavar="SOURCE", help="a text file, folder, .jsonl, .parquet or hf:NAME")
     prepare.add_argument("--out", required=True, metavar="DIR", help="folder to write (run again to resume)")

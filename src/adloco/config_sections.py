@@ -115,7 +115,7 @@ class DataConfig(_Section):
         elif self.tokenizer is None:
             self.tokenizer = "byte"
         if self.streaming and names_token_files(self.dataset):
-            raise ValueError("data.streaming: token files are read through memory maps already; leave it false")
+            raise ValueError("data.streaming: token files are read a window at a time already; leave it false")
         return self
 
 

@@ -2,7 +2,7 @@
 
 Sources (``sources``): the bundled corpus, text files and folders, JSON Lines, Parquet and Hugging Face
 ``datasets``. Tokenizers (``tokenization``): bytes, a trained byte-level BPE, any Hugging Face tokenizer.
-Token files (``token_files``, written by ``prepare``): shards read through memory maps, sampled by ``sampling``.
+Token files (``token_files``, written by ``prepare``): shards read a window at a time, sampled by ``sampling``.
 Streams (``streams``): random windows over an in-memory split, or packed windows read lazily.
 
 Names are imported on first use, so that ``adloco prepare`` and its worker processes never load torch.

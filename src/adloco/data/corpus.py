@@ -110,7 +110,7 @@ class StreamingCorpus:
 
 @dataclass
 class TokenCorpus:
-    """Token files (a prepared folder, .bin or .npy files), memory-mapped: every worker reads the positions of
+    """Token files (a prepared folder, .bin or .npy files), read a window at a time: every worker reads the positions of
     one shared window order keyed by the run's ``seed`` (``adloco.data.sampling``)."""
 
     train: TokenArray

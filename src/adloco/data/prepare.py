@@ -1,4 +1,4 @@
-"""``adloco prepare``: a text source tokenized once into shards of token ids that training memory-maps.
+"""``adloco prepare``: a text source tokenized once into shards of token ids that training reads a window at a time.
 
 The source is read in order as documents (a folder's files, a JSON Lines, Parquet or ``datasets`` row each; a
 single text file is one document, read in pieces cut at line ends). Every ``val_every``-th document is held out for
@@ -324,7 +324,7 @@ def _documents(source: Source, settings: PrepareSettings, skipped: list[str] | N
         except DataError:
             if skipped is None:
                 raise
-            skipped.append(str(path))
+            skipped.append(str(path.relative_to(source.location)))
 
 
 @cache

@@ -1,8 +1,8 @@
 """Token files: a folder ``adloco prepare`` wrote (its ``manifest.json``), nanoGPT's raw uint16 ``.bin``, llm.c's
-``.bin`` shards (a header of 256 int32) and ``.npy`` arrays, read through memory maps, never loaded whole.
+``.bin`` shards (a header of 256 int32) and ``.npy`` arrays, read a window at a time, never loaded whole.
 
 This module owns the prepared folder's format: the manifest's fields, the shard names and their checks. Pages of
-a memory-mapped file live in the operating system's page cache, so every rank of a machine that reads the same
+the files live in the operating system's page cache, so every rank of a machine that reads the same
 files shares them.
 """
 
@@ -56,11 +56,6 @@ class TokenFile:
     tokens: int
     offset: int = 0
 
-    def mapped(self) -> np.memmap | np.ndarray:
-        if self.tokens == 0:
-            return np.zeros(0, dtype=self.dtype)
-        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.tokens,))
-
     def max_id(self) -> int:
         """The largest id in the file, read in chunks (-1 when empty)."""
         largest = -1
@@ -79,40 +74,57 @@ class TokenFile:
 
 
 class TokenArray:
-    """Token files read as one sequence of ids (windows may span two files)."""
+    """Token files read as one sequence of ids (windows may span two files).
+
+    Windows are read with ``pread``, not through a memory map: on kernels that keep large folios in the page cache
+    (Linux 6.x with ext4), touching one token of a mapped file maps its whole 2 MB folio into the process, so a run
+    sampling windows at random would count most of a corpus in its resident memory (+1 GB over a 4 GB folder in
+    a 40k-token run, docs/data.md). A read copies just the window; the pages stay in the operating system's cache,
+    shared by every process of the machine that reads the same files, as a mapping's would.
+    """
 
     def __init__(self, files: Sequence[TokenFile], where: str) -> None:
         self.files = list(files)
         self.where = where
-        self._maps: list[np.ndarray] | None = None
+        self._fds: list[int] | None = None
         self.starts = np.cumsum([0] + [f.tokens for f in self.files], dtype=np.int64)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def __getstate__(self) -> dict[str, Any]:  # a DataLoader's worker process opens the files anew
+        return {**self.__dict__, "_fds": None}
+
+    def __del__(self) -> None:
+        for fd in self._fds or []:
+            os.close(fd)
+
     def windows(self, context: int) -> int:
         """Windows of ``context + 1`` tokens starting at multiples of ``context``."""
         return max(0, (len(self) - 1) // context)
 
-    def _mapped(self) -> list[np.ndarray]:
-        if self._maps is None:
-            self._maps = [f.mapped() for f in self.files]
-        return self._maps
+    def _read(self, index: int, start: int, count: int) -> np.ndarray:
+        """``count`` tokens (fewer at the file's end) from token ``start`` of file ``index``."""
+        if self._fds is None:
+            self._fds = [os.open(f.path, os.O_RDONLY) for f in self.files]
+        f = self.files[index]
+        count = min(count, f.tokens - start)
+        width = f.dtype.itemsize
+        raw = os.pread(self._fds[index], count * width, f.offset + start * width)
+        if len(raw) != count * width:
+            raise DataError(f"token file '{f.path}' ended early (truncated while training?)")
+        return np.frombuffer(raw, dtype=f.dtype)
 
     def gather(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Rows of ``length`` tokens starting at each of ``starts``, as int64 (rows × length)."""
-        maps = self._mapped()
         out = np.empty((len(starts), length), dtype=np.int64)
         which = np.searchsorted(self.starts, starts, side="right") - 1
         for row, (start, index) in enumerate(zip(starts.tolist(), which.tolist(), strict=True)):
-            local = start - int(self.starts[index])
-            piece = maps[index][local : local + length]
-            out[row, : len(piece)] = piece
-            filled, index = len(piece), index + 1
-            while filled < length:  # the window runs on into the next file(s)
-                piece = maps[index][: length - filled]
+            filled, local = 0, start - int(self.starts[index])
+            while filled < length:  # a window may run on into the next file(s)
+                piece = self._read(index, local, length - filled)
                 out[row, filled : filled + len(piece)] = piece
-                filled, index = filled + len(piece), index + 1
+                filled, index, local = filled + len(piece), index + 1, 0
         return out
 
     def part(self, start: int, stop: int) -> TokenArray:

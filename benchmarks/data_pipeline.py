@@ -4,6 +4,7 @@
     python benchmarks/data_pipeline.py memory                      # adloco train over 4 GB vs 40 MB of tokens
     python benchmarks/data_pipeline.py resume                      # a cursor at 10^9 samples to its first batch
     python benchmarks/data_pipeline.py prepare --source DIR        # adloco prepare with 1 and 2 processes
+    python benchmarks/data_pipeline.py encoders --source DIR --tokenizer TOK  # tiktoken against tokenizers
     python benchmarks/data_pipeline.py --write                     # the table in docs/data.md from the results
 
 Each measurement is stored under its name in benchmarks/results/data_pipeline.json with the machine it ran on.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -165,22 +165,49 @@ def prepare_rates(source: Path, tokenizer: str, repeats: int) -> dict:
     import shutil
 
     rows = {}
-    for workers in (1, 2):
+    for processes in (1, 2):
         runs = []
         for _ in range(repeats):
-            out = CORPORA / f"prepare-bench-{workers}"
+            out = CORPORA / f"prepare-bench-{processes}"
             shutil.rmtree(out, ignore_errors=True)
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             command = [sys.executable, "-m", "adloco", "prepare", str(source), "--out", str(out), "--tokenizer",
-                       tokenizer, "--workers", str(workers), "--suffixes", "*", "-q"]  # fmt: skip
+                       tokenizer, "--processes", str(processes), "--suffixes", "*", "-q"]  # fmt: skip
             subprocess.run(command, check=True, capture_output=True)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
             stats = json.loads((out / "manifest.json").read_text())["stats"]
-            runs.append((stats["mb_per_s"], stats.get("cores_busy"), after.ru_utime - before.ru_utime))
+            runs.append((stats["mb_per_s"], stats.get("cores_busy")))
             shutil.rmtree(out)
-        rows[str(workers)] = {"mb_per_s": statistics.median(r[0] for r in runs),
+        rows[str(processes)] = {"mb_per_s": statistics.median(r[0] for r in runs),
                               "cores_busy": statistics.median(r[1] for r in runs if r[1] is not None)}  # fmt: skip
-    return {"source": source.name, "tokenizer": Path(tokenizer).name, "repeats": repeats, "workers": rows}
+    return {"source": source.name, "tokenizer": Path(tokenizer).name, "repeats": repeats, "processes": rows}
+
+
+def encoders(source: Path, tokenizer: Path, megabytes: float) -> dict:
+    """One process, one thread: a byte-level BPE's MB/s through tiktoken (converted) and through tokenizers, on the
+    first ``megabytes`` of a folder's files, and whether their ids agree."""
+    import os
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from adloco.data.prepare import _Encoder
+    from adloco.data.sources import folder_files
+
+    texts, size = [], 0
+    for path in folder_files(source, ("*",)):
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, OSError):
+            continue
+        size += len(texts[-1].encode())
+        if size >= megabytes * 1e6:
+            break
+    rates, ids = {}, {}
+    for engine in ("tiktoken", "tokenizers"):
+        encoder = _Encoder(engine, str(tokenizer / "tokenizer.json"), 0, "uint32")
+        started = time.perf_counter()
+        ids[engine] = encoder.ids(texts)
+        rates[engine] = round(size / 1e6 / (time.perf_counter() - started), 2)
+    same = all(np.array_equal(a, b) for a, b in zip(ids["tiktoken"], ids["tokenizers"], strict=True))
+    return {"source": source.name, "megabytes": round(size / 1e6, 1), "documents": len(texts),
+            "tokens": int(sum(len(i) for i in ids["tiktoken"])), "mb_per_s": rates, "same_ids": same}  # fmt: skip
 
 
 def render(results: dict) -> str:
@@ -204,15 +231,23 @@ def render(results: dict) -> str:
     if r:
         lines.append(
             f"| resume at {r['samples']:,} samples to the first batch | **{r['cursor_to_batch_s'] * 1e3:.2f} ms** "
-            f"(with opening the folder: {r['open_cursor_to_batch_s'] * 1e3:.1f} ms) | < 1 s |"
+            f"(with opening the folder, sizes checked: {r['open_cursor_to_batch_s'] * 1e3:.1f} ms) | < 1 s |"
         )
     p = results.get("prepare")
     if p:
-        one, two = p["workers"]["1"], p["workers"]["2"]
+        rows = p.get("processes", p.get("workers"))
+        one, two = rows["1"], rows["2"]
         lines.append(
             f"| `adloco prepare` of {p['source']} with its 32k BPE | **{two['mb_per_s']:.1f} MB/s "
             f"with 2 processes ({two['mb_per_s'] / 2:.1f} a core, {two['cores_busy']:.2f} cores busy)**; "
             f"{one['mb_per_s']:.1f} MB/s with 1 | ≥ 5 MB/s a core, both busy |"
+        )
+    e = results.get("encoders")
+    if e:
+        lines.append(
+            f"| a 32k byte-level BPE in one process and thread, {e['megabytes']:,.0f} MB of {e['source']} | "
+            f"**tiktoken {e['mb_per_s']['tiktoken']:.1f} MB/s**, tokenizers {e['mb_per_s']['tokenizers']:.1f} MB/s; "
+            f"{'the same' if e['same_ids'] else 'DIFFERENT'} {e['tokens']:,} ids | (the fast encoder's reason) |"
         )
     k = results.get("kernel")
     if k:
@@ -222,10 +257,10 @@ def render(results: dict) -> str:
             f"{k['bytes_per_token']:.2f} bytes per token; {k['seconds']:.0f} s tokenizing "
             f"({k['mb_per_s']:.1f} MB/s) | reported |"
         )
-    stamps = sorted(
-        {describe(v["environment"]) for v in results.values() if isinstance(v, dict) and "environment" in v}
-    )
-    return "\n".join([*lines, "", *(f"Measured {s}." for s in stamps)])
+    dates = sorted({v["environment"]["date"] for v in results.values()})
+    env = next(iter(results.values()))["environment"]
+    stamp = describe({**env, "date": " and ".join(dates), "machine": "a 2-core x86_64 CPU"})
+    return "\n".join([*lines, "", f"Measured {stamp}; throughput and resume with one torch thread."])
 
 
 def _store(name: str, result: dict) -> None:
@@ -247,7 +282,7 @@ def kernel_result(folder: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", choices=["throughput", "memory", "resume", "prepare", "kernel"])
+    parser.add_argument("what", nargs="?", choices=["throughput", "memory", "resume", "prepare", "encoders", "kernel"])
     parser.add_argument("--folder", type=Path, default=None, help="throughput: a prepared folder (synthetic 40 MB)")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
@@ -270,6 +305,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.source is None or args.tokenizer is None:
             parser.error("prepare needs --source and --tokenizer")
         _store("prepare", prepare_rates(args.source, args.tokenizer, args.repeats))
+    elif args.what == "encoders":
+        if args.source is None or args.tokenizer is None:
+            parser.error("encoders needs --source and --tokenizer")
+        _store("encoders", encoders(args.source, Path(args.tokenizer), 20.0))
     elif args.what == "kernel":
         _store("kernel", kernel_result(args.folder or CORPORA / "linux-6.12-bpe32k"))
     if args.write:

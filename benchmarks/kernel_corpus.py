@@ -2,7 +2,7 @@
 prepared into token shards with a byte-level BPE trained on a sample of it.
 
     python benchmarks/kernel_corpus.py                 # fetch, unpack, prepare (about 1.3 GB of text)
-    python benchmarks/kernel_corpus.py --vocab-size 16384 --workers 2
+    python benchmarks/kernel_corpus.py --vocab-size 16384 --processes 2
 
 Everything comes from the Debian archive the machine is configured with (``apt-get download``, no root needed once
 the package lists exist), so the corpus builds on a machine whose only network is its package mirror. It is
@@ -54,14 +54,14 @@ def unpack(deb: Path, folder: Path) -> Path:
     return tree
 
 
-def prepare(tree: Path, out: Path, vocab_size: int, workers: int) -> dict:
+def prepare(tree: Path, out: Path, vocab_size: int, processes: int) -> dict:
     """``adloco prepare`` over the tree (every file; a sample spread over it for the BPE); its stats and the CPU it
     kept busy."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     command = [sys.executable, "-m", "adloco", "prepare", str(tree), "--out", str(out), "--suffixes", "*",
                "--vocab-size", str(vocab_size), "--bpe-chars", "1e8", "--bpe-every", "7", "--val-every", "50",
-               "--val-documents", "1000", "--workers", str(workers)]  # fmt: skip
+               "--val-documents", "1000", "--processes", str(processes)]  # fmt: skip
     subprocess.run(command, check=True)
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -73,12 +73,12 @@ def prepare(tree: Path, out: Path, vocab_size: int, workers: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab-size", type=int, default=32768)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="prepared folder (runs/corpora/linux-6.12-bpe<V>)")
     args = parser.parse_args()
     tree = unpack(fetch(CORPORA), CORPORA)
     out = args.out or CORPORA / f"linux-6.12-bpe{args.vocab_size // 1024}k"
-    result = prepare(tree, out, args.vocab_size, args.workers)
+    result = prepare(tree, out, args.vocab_size, args.processes)
     stats, manifest = result["manifest"]["stats"], result["manifest"]
     print(
         f"{out}: {manifest['train']['tokens']:,} training tokens in {len(manifest['train']['shards'])} shards, "

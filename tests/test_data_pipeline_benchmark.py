@@ -25,3 +25,17 @@ def test_the_benchmark_measures_what_training_reads_and_renders_its_table(tmp_pa
     env = {"environment": {"date": "d", "adloco": "a", "torch": "t", "python": "p", "machine": "m"}}
     table = data_pipeline.render({"throughput": {**speed, **env}, "resume": {**late, **env}})
     assert "tokens/s" in table and "1,000,000,000 samples" in table and table.count("Measured d") == 1
+
+
+def test_the_encoders_are_timed_on_the_same_text_and_compared(tmp_path):
+    from rich.console import Console
+
+    from adloco.data.prepare import PrepareSettings, prepare
+
+    (tmp_path / "text").mkdir()
+    for i in range(20):
+        (tmp_path / "text" / f"{i}.c").write_text(f"int f{i}(void) {{ return {i} * {i}; }}\n" * 50)
+    out = tmp_path / "tokens"
+    prepare(PrepareSettings(str(tmp_path / "text"), "bpe", vocab_size=300, suffixes=(".c",)), out, Console(quiet=True))
+    timed = data_pipeline.encoders(tmp_path / "text", out / "tokenizer", megabytes=0.01)
+    assert timed["same_ids"] and timed["tokens"] > 0 and set(timed["mb_per_s"]) == {"tiktoken", "tokenizers"}

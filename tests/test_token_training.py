@@ -145,3 +145,40 @@ def test_a_users_loop_reads_the_windows_adloco_train_reads(corpus):
     assert len(next(iter(plain))) == 4 and plain.state_dict()["count"] == 4
     with pytest.raises(DataError):
         TokenWindows(str(corpus / "missing"), 16)
+
+
+def test_under_several_ranks_the_regroup_pools_what_each_rank_read(corpus, monkeypatch):
+    """A rank holds the saved states of its own workers (and the retiring ones); the ends are pooled over the ranks
+    before every rank computes the same new base."""
+    from adloco import cluster_state
+
+    four = _cluster(corpus, 4)
+    for w, worker in four.workers.items():
+        worker.stream.next_batch(3 + w)
+    saved = {int(w): s for w, s in four.state_dict()["workers"].items()}
+    three = _cluster(corpus, 3)
+    mine = {w: saved[w] for w in (0, 3)}  # this rank's worker 0 and the retiring worker 3
+    theirs = {w: cluster_state.cursor_end(saved[w]["stream"]) for w in (1, 2)}  # the other rank's
+
+    class TwoRanks:
+        world_size = 2
+
+        def gather_objects(self, ends):
+            return [ends, theirs]
+
+        def broadcast_object(self, obj):
+            return obj
+
+    monkeypatch.setattr(three, "comm", TwoRanks())
+    cluster_state._regroup_cursors(three, mine)
+    assert mine[0]["stream"]["base"] == 4 * (3 + 3) and mine[0]["stream"]["stride"] == 3  # past worker 3's 6 reads
+    changed = dict(saved[1]["stream"], windows=5)
+    with pytest.raises(DataError, match="the token files have .* windows, the run started on 5"):
+        cluster_state._regroup_cursors(three, {1: {"stream": changed}})
+
+
+def test_token_windows_take_no_unshuffled_order_from_the_adaptive_batch(corpus):
+    model = torch.nn.Linear(2, 2)
+    diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, "adloco", batch={"size": 3})
+    with pytest.raises(ValueError, match="shuffle=False does not apply"):
+        diloco.batch.sampler(TokenWindows(str(corpus), 16), shuffle=False)

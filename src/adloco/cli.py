@@ -138,10 +138,10 @@ def _add_prepare(commands) -> None:
     prepare.add_argument("--split", default=default.split, help="Hugging Face dataset split (train)")
     prepare.add_argument("--suffixes", default=",".join(default.suffixes),
                          help="a folder's files to read, by suffix ('*': all; unreadable ones skipped)")  # fmt: skip
-    prepare.add_argument("--workers", type=_count, default=len(os.sched_getaffinity(0)),
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    prepare.add_argument("--processes", type=_count, default=usable,
                          help="tokenizing processes (default: the CPUs this process may use)")  # fmt: skip
-    loudness = prepare.add_mutually_exclusive_group()
-    loudness.add_argument("-q", "--quiet", action="store_true", help="no progress; errors and the result only")
+    prepare.add_argument("-q", "--quiet", action="store_true", help="no progress; errors and the result only")
 
 
 def _add_train(commands) -> None:
@@ -270,10 +270,18 @@ def _prepare(args: argparse.Namespace) -> int:
     settings = PrepareSettings(
         args.source, args.tokenizer, args.vocab_size, args.bpe_chars, args.bpe_every, args.shard_tokens,
         args.val_documents, args.val_every, args.val_fraction, args.text_field, args.hf_config, args.hf_data_files,
-        args.split, suffixes, args.workers,
+        args.split, suffixes, args.processes,
     )  # fmt: skip
     console = Console(stderr=True, quiet=args.quiet)
-    manifest = prepare(settings, Path(args.out), console)
+    try:
+        manifest = prepare(settings, Path(args.out), console)
+    except KeyboardInterrupt:
+        print("adloco: prepare interrupted; the same command resumes it", file=sys.stderr)
+        return 130
+    except RuntimeError as error:  # a tokenizing process died (out of memory, killed): not the input's fault
+        print(f"adloco: error: prepare stopped: {_one_line(first_line(error))}; the same command resumes it",
+              file=sys.stderr)  # fmt: skip
+        return 1
     print(summary(manifest, Path(args.out)))
     return 0
 

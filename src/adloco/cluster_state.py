@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from adloco.checkpoint import CheckpointError
-from adloco.data.sampling import cursor_end, regrouped
+from adloco.data.sampling import WindowCursor, cursor_end, regrouped
 from adloco.data.token_files import names_token_files
 
 if TYPE_CHECKING:
@@ -118,12 +118,14 @@ def _resize(cluster: Cluster, saved: dict[int, dict], saved_ids: list[int]) -> N
 def _regroup_cursors(cluster: Cluster, saved: dict[int, dict]) -> None:
     """Token files: every worker of the new count reads on from the first position past all the saved workers'
     reads (``adloco.data.sampling.regrouped``); no stream is kept for a retired worker, none is needed."""
+    windows = next(iter(cluster.workers.values())).stream.cursor.order.n
+    for state in saved.values():  # the files' window count, as a cursor's own load would check it
+        WindowCursor(windows, 0, 0, 1).load_state_dict(state["stream"])
     ends = {w: cursor_end(state["stream"]) for w, state in saved.items()}
     if cluster.comm.world_size > 1:  # a rank holds its own workers' states and the retiring ones': pool them
         gathered = cluster.comm.gather_objects(ends)
         pooled = None if gathered is None else {w: end for part in gathered for w, end in part.items()}
         ends = cluster.comm.broadcast_object(pooled)
-    windows = next(iter(cluster.workers.values())).stream.cursor.order.n
     cursors = regrouped(ends, windows, cluster.config.total_workers)
     for w, worker in cluster.workers.items():
         if w in saved:

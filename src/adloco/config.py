@@ -428,6 +428,7 @@ RESUME_SAFE_KEYS = (
     "batched_workers",
     "shards",
     "comm.timeout_s",
+    "data.verify",
     "checkpoint.*",
     "eval.*",
     "run.*",

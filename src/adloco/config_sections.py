@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 from typing import Any, Literal
@@ -24,8 +25,8 @@ def _absolute_if_local(value: str | None, keywords: tuple[str, ...] = ()) -> str
         return value
     prefix = HF_PREFIX if value.startswith(HF_PREFIX) else ""
     target = value[len(prefix) :]
-    if not target or os.path.isabs(target) or not os.path.exists(target):
-        return value
+    if not target or os.path.isabs(target) or not (os.path.exists(target) or glob.glob(target)):
+        return value  # a glob counts as local when it matches files (token shards)
     return prefix + os.path.abspath(target)
 
 

@@ -66,14 +66,17 @@ def test_a_folder_prepares_into_shards_with_an_end_of_document_id_after_each_doc
     assert data["format"] == "adloco-tokens" and data["complete"] and data["dtype"] == "uint16"
     assert data["train"]["tokens"] == len(_tokens(out)) and data["source"]["kind"] == "folder"
     assert not any(p.name.endswith(".tmp") for p in out.iterdir())
-    assert "training 3 shards" in summary(manifest, out) or "training" in summary(manifest, out)
+    tokens = len(_tokens(out))
+    assert summary(manifest, out).startswith(
+        f"prepared {out}: training {len(manifest.train)} shards, {tokens:,} tokens"
+    )
 
 
 def test_the_output_does_not_depend_on_the_number_of_processes(tmp_path):
     source = _folder(tmp_path / "text", count=60)
     base = PrepareSettings(str(source), "bpe", vocab_size=300, shard_tokens=700, val_every=10, val_documents=2)
     prepare(base, tmp_path / "one", QUIET)
-    prepare(PrepareSettings(**{**base.__dict__, "workers": 2}), tmp_path / "two", QUIET)
+    prepare(PrepareSettings(**{**base.__dict__, "processes": 2}), tmp_path / "two", QUIET)
     _same_output(tmp_path / "one", tmp_path / "two")
 
 
@@ -83,7 +86,7 @@ def test_a_trained_bpe_is_saved_and_the_fast_encoder_gives_its_ids(tmp_path):
     source = _folder(tmp_path / "text", count=40, size=200)
     out = tmp_path / "out"
     manifest = prepare(PrepareSettings(str(source), "bpe", vocab_size=400, val_every=1000), out, QUIET)
-    assert manifest.stats["encoder"] == "tiktoken" and manifest.dtype == "uint16"
+    assert manifest.tokenizer["encoder"] == "tiktoken" and manifest.dtype == "uint16"
     tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
     assert len(tokenizer) == manifest.vocab_size <= 400  # a small corpus offers fewer merges than asked for
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -190,7 +193,7 @@ def test_an_output_folder_holding_something_else_is_refused(tmp_path):
     ):
         prepare(PrepareSettings(str(source), "bpe", vocab_size=300, shard_tokens=5), out, QUIET)
     printed = Console(file=io.StringIO())
-    prepare(PrepareSettings(str(source), "byte", val_every=1000, workers=2), out, printed)  # workers do not count
+    prepare(PrepareSettings(str(source), "byte", val_every=1000, processes=2), out, printed)  # workers do not count
     assert "is prepared already" in printed.file.getvalue()
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.md").write_text("mine")
@@ -208,7 +211,7 @@ def test_a_killed_prepare_resumes_by_redoing_only_its_torn_shard(tmp_path):
     with source.open("w") as handle:  # about 24 MB of lines
         for _ in range(24):
             handle.write("\n".join(" ".join(rng.choice(["a", "bb", "ccc"], 100)) for _ in range(3_500)) + "\n")
-    args = ["prepare", str(source), "--tokenizer", "byte", "--shard-tokens", "1e6", "--workers", "1", "-q"]
+    args = ["prepare", str(source), "--tokenizer", "byte", "--shard-tokens", "1e6", "--processes", "1", "-q"]
     assert adloco_process(*args, "--out", str(tmp_path / "clean")).returncode == 0
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -230,7 +233,7 @@ def test_a_killed_prepare_resumes_by_redoing_only_its_torn_shard(tmp_path):
 def test_the_command_line_says_what_it_wrote_and_refuses_bad_input_with_one_line(tmp_path):
     source = _folder(tmp_path / "text", count=6)
     done = adloco_process("prepare", str(source), "--out", str(tmp_path / "out"), "--tokenizer", "byte",
-                          "--val-every", "3", "--workers", "2")  # fmt: skip
+                          "--val-every", "3", "--processes", "2")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"prepared {tmp_path / 'out'}: training 1 shard") and "bytes per token" in done.stdout
     missing = adloco_process("prepare", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o2"))
@@ -248,3 +251,45 @@ def test_progress_lines_name_the_rates_and_the_time_left():
     line = console.file.getvalue()
     assert line.startswith("adloco: prepare: 25.0% · 1.0 MB · ") and "MB/s" in line and "tokens/s" in line
     assert "ETA" in line
+
+
+@pytest.mark.parametrize("engine", ["tiktoken", "tokenizers"])
+def test_special_token_text_in_a_document_is_text_for_both_encoders(tmp_path, engine):
+    source = _folder(tmp_path / "text", count=10)
+    out = tmp_path / "out"
+    manifest = prepare(PrepareSettings(str(source), "bpe", vocab_size=300, val_every=1000), out, QUIET)
+    file = str(out / "tokenizer" / "tokenizer.json")
+    encoder = prepare_module._Encoder(engine, file, manifest.eot_id, "uint16")
+    piece = prepare_module.Piece("train", 0, 0, True, "before <|endoftext|> after")
+    ((_, ids, size),) = encoder.encode([piece])
+    assert ids[-1] == manifest.eot_id and manifest.eot_id not in ids[:-1].tolist() and size == 26
+
+
+def test_a_prepare_killed_before_its_first_manifest_starts_again(tmp_path):
+    source = _folder(tmp_path / "text", count=6)
+    out = tmp_path / "out"
+    (out / "tokenizer").mkdir(parents=True)  # what a kill between the tokenizer and the manifest leaves
+    (out / "tokenizer" / "tokenizer.json").write_text("{}")
+    prepare(PrepareSettings(str(source), "byte", val_every=1000), out, QUIET)
+    assert read_manifest(out).complete
+
+
+def test_the_output_may_not_lie_inside_the_source_and_paths_name_one_prepare(tmp_path, monkeypatch):
+    source = _folder(tmp_path / "text", count=6)
+    with pytest.raises(DataError, match="lies inside the source"):
+        prepare(PrepareSettings(str(source), "byte", suffixes=("*",)), source / "tokens", QUIET)
+    prepare(PrepareSettings(str(source), "byte", val_every=1000), tmp_path / "out", QUIET)
+    monkeypatch.chdir(tmp_path)
+    printed = Console(file=io.StringIO())
+    prepare(PrepareSettings("text", "byte", val_every=1000), tmp_path / "out", printed)  # relative: the same one
+    assert "is prepared already" in printed.file.getvalue()
+
+
+def test_a_line_of_megabytes_is_cut_between_characters(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_module, "PIECE_BYTES", 64)
+    monkeypatch.setattr(prepare_module, "LONG_LINE_BYTES", 256)
+    text = ("naïve " * 200).strip() + "ü" * 300 + "\nend\n"
+    path = tmp_path / "one_line.txt"
+    path.write_text(text)
+    pieces = list(prepare_module._file_pieces(path))
+    assert "".join(pieces) == text and max(len(p.encode()) for p in pieces) < 256 + 64

@@ -156,7 +156,7 @@ def test_a_run_takes_the_prepared_folders_tokenizer_and_refuses_another(prepared
         run_tokenizer(prepared, "bpe")
     with pytest.raises(ConfigError, match="data.tokenizer 'bpe' is not the one"):
         build_config(overrides=[f"data.dataset={prepared}", "data.tokenizer=bpe"])
-    with pytest.raises(ConfigError, match="data.streaming: token files are read through memory maps"):
+    with pytest.raises(ConfigError, match="data.streaming: token files are read a window at a time already"):
         build_config(overrides=[f"data.dataset={prepared}", "data.streaming=true"])
 
 
@@ -190,3 +190,29 @@ def test_a_separate_validation_file_is_for_token_files_and_classification_only(t
     (tmp_path / "book.txt").write_text("text")
     with pytest.raises(ConfigError, match="data.val_dataset: a separate validation file is read by"):
         build_config(overrides=[f"data.dataset={tmp_path / 'book.txt'}", f"data.val_dataset={tmp_path}/v.bin"])
+
+
+def test_a_header_of_llmc_layout_with_an_unknown_magic_is_refused(tmp_path):
+    _llmc(tmp_path / "future.bin", np.arange(100), magic=20250101, version=1)
+    with pytest.raises(DataError, match="starts with an unknown header \\(magic 20250101, version 1"):
+        open_token_files(str(tmp_path / "future.bin"))
+
+
+def test_a_reader_of_many_shards_keeps_few_files_open(tmp_path, monkeypatch):
+    import adloco.data.token_files as token_files
+
+    monkeypatch.setattr(token_files, "OPEN_FILES", 3)
+    for i in range(10):
+        np.arange(i * 10, i * 10 + 10, dtype=np.uint16).tofile(tmp_path / f"s{i:02d}.bin")
+    tokens = open_token_files(str(tmp_path / "s*.bin"))
+    rows = tokens.gather(np.array([95, 5, 45, 0, 85]), 5)
+    assert rows[:, 0].tolist() == [95, 5, 45, 0, 85] and rows[1].tolist() == [5, 6, 7, 8, 9]
+    assert len(tokens._open) == 3
+    with pytest.raises(IndexError):
+        tokens.gather(np.array([97]), 5)
+
+
+def test_a_relative_glob_is_kept_absolute_in_the_config(tmp_path, monkeypatch):
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "part_0.bin")
+    monkeypatch.chdir(tmp_path)
+    assert build_config(overrides=["data.dataset=part_*.bin"]).data.dataset == str(tmp_path / "part_*.bin")

@@ -306,6 +306,8 @@ class AdaptiveBatch:
         worker the same ``seed``; each reads its own positions of one window order (disjoint within an epoch,
         as ``adloco train`` reads them), and the sampler's state is a counter."""
         if isinstance(dataset, TokenWindows):
+            if not shuffle:
+                raise ValueError("token windows are read in the run's keyed order; shuffle=False does not apply")
             return WindowSampler(len(dataset), seed, self.worker_id, self.total_workers, lambda: self.samples)
         return BatchSampler(self, dataset, seed, shuffle)
 

@@ -3,11 +3,11 @@
 The source is read in order as documents (a folder's files, a JSON Lines, Parquet or ``datasets`` row each; a
 single text file is one document, read in pieces cut at line ends). Every ``val_every``-th document is held out for
 validation until ``val_documents`` are (a single-document source holds out its trailing ``val_fraction``
-instead). Worker processes encode batches of pieces with Hugging Face ``tokenizers`` and an end-of-document id
+instead). Tokenizing processes encode batches of pieces with Hugging Face ``tokenizers`` and an end-of-document id
 follows each document. Each split's tokens are cut into shards of ``shard_tokens``, each staged and renamed, and
 the manifest is rewritten after every shard with where that shard ends in the source, so that a prepare that was
 killed, or ran out of disk, resumes by redoing only the shard it was writing. The output does not depend on the
-number of worker processes.
+number of tokenizing processes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -52,13 +53,14 @@ from adloco.data.token_files import (
 from adloco.errors import DataError
 
 PIECE_BYTES = 1 << 20  # a single text file is tokenized in pieces of about this size, cut after a line end
-BATCH_BYTES = 1 << 20  # text per batch sent to a worker process
+LONG_LINE_BYTES = 4 * PIECE_BYTES  # a line longer than this is cut at a space instead
+BATCH_BYTES = 1 << 20  # text per batch sent to a tokenizing process
 BYTE_EOT = 0  # the byte tokenizer's end of document: NUL, which no text source holds (they are refused)
 
 
 @dataclass(frozen=True)
 class PrepareSettings:
-    """What ``adloco prepare`` was asked for; all but ``workers`` decide the output, so a rerun with the same
+    """What ``adloco prepare`` was asked for; all but ``processes`` decide the output, so a rerun with the same
     ones resumes (or finds the work done), and one with others is refused."""
 
     source: str
@@ -75,17 +77,17 @@ class PrepareSettings:
     hf_data_files: str | None = None
     split: str = "train"
     suffixes: tuple[str, ...] = TEXT_SUFFIXES
-    workers: int = field(default=1, compare=False)
+    processes: int = field(default=1, compare=False)
 
     def identity(self) -> dict[str, Any]:
         """The settings that decide the output, as the manifest records them."""
         data = asdict(self)
-        data.pop("workers")
+        data.pop("processes")
         data["suffixes"] = list(self.suffixes)
         return data
 
     def check(self) -> None:
-        for name in ("vocab_size", "bpe_chars", "bpe_every", "shard_tokens", "val_documents", "val_every", "workers"):
+        for name in ("vocab_size", "bpe_chars", "bpe_every", "shard_tokens", "val_documents", "val_every", "processes"):
             if getattr(self, name) < 1:
                 raise DataError(f"prepare: --{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.tokenizer == "bpe" and self.vocab_size < 258:
@@ -195,6 +197,7 @@ class _Encoder:
             from tokenizers import Tokenizer
 
             self.core = Tokenizer.from_file(file)
+            self.core.encode_special_tokens = True  # "<|endoftext|>" written in a text is text, as tiktoken reads it
 
     def ids(self, texts: list[str]) -> list[np.ndarray]:
         if self.engine == "byte":
@@ -243,7 +246,7 @@ def _start_encoder(kind: str, file: str | None, eot: int, dtype: str) -> None:
     _ENCODER = _Encoder(kind, file, eot, dtype)
 
 
-def _encode_in_worker(pieces: list[Piece]) -> list[tuple[Piece, np.ndarray, int]]:
+def _encode_in_process(pieces: list[Piece]) -> list[tuple[Piece, np.ndarray, int]]:
     assert _ENCODER is not None
     return _ENCODER.encode(pieces)
 
@@ -262,13 +265,22 @@ def _file_pieces(path: Path, start: int = 0, stop: int | None = None) -> Iterato
             left -= len(block)
             block = carry + block
             cut = block.rfind(b"\n") + 1 if left > 0 else len(block)
-            if cut == 0:  # a line longer than a piece: keep reading
+            if cut == 0 and len(block) < LONG_LINE_BYTES:  # a line longer than a piece: read on
                 carry = block
                 continue
+            if cut == 0:  # a line of megabytes: cut at its last space, else between two characters
+                cut = block.rfind(b" ") + 1 or _character_start(block, len(block) - 1)
             carry = block[cut:]
             yield decode_text(block[:cut], f"data file '{path}'")
         if carry:
             yield decode_text(carry, f"data file '{path}'")
+
+
+def _character_start(raw: bytes, at: int) -> int:
+    """The offset of the UTF-8 character that holds byte ``at`` (continuation bytes are 0b10xxxxxx)."""
+    while at > 0 and raw[at] & 0xC0 == 0x80:
+        at -= 1
+    return at
 
 
 def _line_cut(path: Path, fraction: float) -> int:
@@ -321,9 +333,9 @@ def _documents(source: Source, settings: PrepareSettings, skipped: list[str] | N
     for path in _listing(source.location, settings.suffixes):
         try:
             yield read_text_file(path)
-        except DataError:
+        except (DataError, OSError) as error:
             if skipped is None:
-                raise
+                raise DataError(f"prepare: {first_line(error)}") from None
             skipped.append(str(path.relative_to(source.location)))
 
 
@@ -431,7 +443,8 @@ def _open_output(out: Path, settings: PrepareSettings) -> Manifest | None:
                 "or remove it"
             )
         return manifest
-    if any(p for p in out.iterdir() if not p.name.startswith(".")):
+    # a prepare killed before its first manifest left its tokenizer at most: it is made again
+    if any(p for p in out.iterdir() if not p.name.startswith(".") and p.name != TOKENIZER_DIR):
         raise DataError(f"prepare: output folder '{out}' is not empty and holds no {MANIFEST}; choose an empty one")
     return None
 
@@ -447,19 +460,25 @@ def _start(settings: PrepareSettings, out: Path, source: Source, console: Any) -
     if manifest is not None:
         return manifest
     plan = _plan_tokenizer(settings, source, out, console)
+    # chosen once: a resume encodes with the engine the written shards came from
+    engine = choose_engine(plan.type, plan.file, _pieces(source, settings, skip_unreadable=True))
     manifest = Manifest(dtype=dtype_for(plan.vocab_size), vocab_size=plan.vocab_size, eot_id=plan.eot_id,
-                        tokenizer=plan.describe(), source=_describe_source(source, settings),
+                        tokenizer={**plan.describe(), "encoder": engine}, source=_describe_source(source, settings),
                         settings=settings.identity())  # fmt: skip
     write_manifest(out, manifest)
     return manifest
 
 
-def _batches(pieces: Iterator[Piece], writers: dict[str, ShardWriter]) -> Iterator[list[Piece]]:
-    """Pieces grouped into batches of about BATCH_BYTES, leaving out those a resume has written already."""
+def _batches(
+    pieces: Iterator[Piece], writers: dict[str, ShardWriter], skipped: Callable[[int], None]
+) -> Iterator[list[Piece]]:
+    """Pieces grouped into batches of about BATCH_BYTES, leaving out those a resume has written already (their
+    size goes to ``skipped``)."""
     batch: list[Piece] = []
     size = 0
     for piece in pieces:
         if writers[piece.split].skips(piece) is None:
+            skipped(len(piece.text))
             continue
         batch.append(piece)
         size += len(piece.text)
@@ -470,9 +489,9 @@ def _batches(pieces: Iterator[Piece], writers: dict[str, ShardWriter]) -> Iterat
         yield batch
 
 
-def _encoded(batches: Iterator[list[Piece]], encoder_args: tuple, workers: int) -> Iterator[list[tuple]]:
-    """Each batch encoded, in order; with several workers by that many processes, a bounded number in flight."""
-    if workers == 1:
+def _encoded(batches: Iterator[list[Piece]], encoder_args: tuple, processes: int) -> Iterator[list[tuple]]:
+    """Each batch encoded, in order; with several processes, a bounded number of batches in flight."""
+    if processes == 1:
         encoder = _Encoder(*encoder_args)
         for batch in batches:
             yield encoder.encode(batch)
@@ -480,11 +499,11 @@ def _encoded(batches: Iterator[list[Piece]], encoder_args: tuple, workers: int) 
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")  # no threads of this process (BPE training) are inherited
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_encoder, initargs=encoder_args) as pool:
+    with ProcessPoolExecutor(processes, mp_context=context, initializer=_start_encoder, initargs=encoder_args) as pool:
         flight: deque[Future] = deque()
         for batch in batches:
-            flight.append(pool.submit(_encode_in_worker, batch))
-            if len(flight) >= 3 * workers:
+            flight.append(pool.submit(_encode_in_process, batch))
+            if len(flight) >= 3 * processes:
                 yield flight.popleft().result()
         while flight:
             yield flight.popleft().result()
@@ -493,6 +512,10 @@ def _encoded(batches: Iterator[list[Piece]], encoder_args: tuple, workers: int) 
 def prepare(settings: PrepareSettings, out: Path, console: Any) -> Manifest:
     """Tokenize ``settings.source`` into ``out`` (resuming a prepare of the same settings there)."""
     settings.check()
+    if Path(settings.source).exists():  # a path, however it is spelled, names the same prepare
+        settings = replace(settings, source=str(Path(settings.source).resolve()))
+        if out.resolve().is_relative_to(settings.source):
+            raise DataError(f"prepare: --out '{out}' lies inside the source '{settings.source}', which it would read")
     source = resolve_source(settings.source, text_field=settings.text_field, hf_config=settings.hf_config,
                             split=settings.split, hf_data_files=settings.hf_data_files,
                             suffixes=settings.suffixes)  # fmt: skip
@@ -502,11 +525,13 @@ def prepare(settings: PrepareSettings, out: Path, console: Any) -> Manifest:
             _say(console, f"'{out}' is prepared already")
             return manifest
         return _write(settings, out, source, manifest, console)
+    except BrokenProcessPool as error:
+        raise RuntimeError(f"a tokenizing process died ({first_line(error)})") from None
     except OSError as error:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DataError(f"prepare: the disk is full writing '{out}'; free space and run the same command to "
                             "resume (the shards written stay)") from None  # fmt: skip
-        raise DataError(f"prepare: cannot write '{out}': {first_line(error)}") from None
+        raise DataError(f"prepare: {error.strerror or first_line(error)}: '{error.filename}'") from None
 
 
 def _write(settings: PrepareSettings, out: Path, source: Source, manifest: Manifest, console: Any) -> Manifest:
@@ -514,20 +539,24 @@ def _write(settings: PrepareSettings, out: Path, source: Source, manifest: Manif
                for split, records in (("train", manifest.train), ("val", manifest.val))}  # fmt: skip
     skipped: list[str] = []
     started = time.perf_counter()
-    totals = {"bytes": 0, "tokens": 0}
+    totals = {"bytes": 0, "tokens": 0, "resumed_past": 0}
     tokenizer = manifest.tokenizer
     file = str(out / TOKENIZER_DIR / "tokenizer.json") if tokenizer["dir"] else None
-    engine = choose_engine(tokenizer["type"], file, _pieces(source, settings, skip_unreadable=True))
+    engine = tokenizer.get("encoder") or choose_engine(tokenizer["type"], file, _pieces(source, settings, True))
     encoder_args = (engine, file, manifest.eot_id, manifest.dtype)
     pieces = _pieces(source, settings, skipped=skipped)
     cpu_before = _cpu_seconds()
     with PrepareProgress(console, source_size(source, settings)) as progress:
-        for results in _encoded(_batches(pieces, writers), encoder_args, settings.workers):
+
+        def resumed_past(size: int) -> None:
+            totals["resumed_past"] += size
+
+        for results in _encoded(_batches(pieces, writers, resumed_past), encoder_args, settings.processes):
             for piece, ids, size in results:
                 writers[piece.split].add(piece, ids, lambda: write_manifest(out, manifest))
                 totals["bytes"] += size
                 totals["tokens"] += len(ids)
-            progress.update(totals["bytes"], totals["tokens"])
+            progress.update(totals["bytes"], totals["tokens"], totals["resumed_past"])
     for writer in writers.values():
         writer.flush(lambda: write_manifest(out, manifest))
     if not manifest.train:
@@ -535,25 +564,24 @@ def _write(settings: PrepareSettings, out: Path, source: Source, manifest: Manif
     if not manifest.val:
         raise DataError(f"prepare: source '{settings.source}' gave no validation tokens")
     seconds = time.perf_counter() - started
-    busy = round((_cpu_seconds() - cpu_before) / max(seconds, 1e-9), 2)  # worker processes included, once ended
-    manifest.stats = {**_stats(manifest, totals, seconds, skipped, settings.workers), "encoder": engine,
-                      "cores_busy": busy}  # fmt: skip
+    busy = round((_cpu_seconds() - cpu_before) / max(seconds, 1e-9), 2)  # the tokenizing processes included, once ended
+    manifest.stats = {**_stats(manifest, totals, seconds, skipped, settings.processes), "cores_busy": busy}
     manifest.complete = True
     write_manifest(out, manifest)
     return manifest
 
 
 def _cpu_seconds() -> float:
-    """CPU time of this process and of its ended children (the worker processes)."""
+    """CPU time of this process and of its ended children (the tokenizing processes)."""
     times = os.times()
     return times.user + times.system + times.children_user + times.children_system
 
 
-def _stats(manifest: Manifest, totals: dict[str, int], seconds: float, skipped: list[str], workers: int) -> dict:
+def _stats(manifest: Manifest, totals: dict[str, int], seconds: float, skipped: list[str], processes: int) -> dict:
     tokens = sum(r.tokens for r in [*manifest.train, *manifest.val])
     return {
         "seconds": round(seconds, 3),
-        "workers": workers,
+        "processes": processes,
         "text_bytes_this_run": totals["bytes"],
         "tokens_this_run": totals["tokens"],
         "mb_per_s": round(totals["bytes"] / 1e6 / max(seconds, 1e-9), 3),
@@ -582,7 +610,7 @@ def summary(manifest: Manifest, out: Path) -> str:
     if stats:
         lines.append(
             f"{stats['text_bytes_this_run'] / 1e6:,.1f} MB of text in {stats['seconds']:,.1f} s "
-            f"({stats['mb_per_s']:,.2f} MB/s, {stats['tokens_per_s']:,} tokens/s, {stats['workers']} workers), "
+            f"({stats['mb_per_s']:,.2f} MB/s, {stats['tokens_per_s']:,} tokens/s, {stats['processes']} processes), "
             f"{stats['bytes_per_token']:.2f} bytes per token"
             + (f"; {stats['skipped_files']:,} unreadable files skipped" if stats["skipped_files"] else "")
         )

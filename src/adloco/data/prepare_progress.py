@@ -26,7 +26,7 @@ class PrepareProgress:
         self.console, self.total, self.every_s = console, total, every_s
         self.started = time.perf_counter()
         self.shown = self.started
-        self.done_bytes, self.tokens = 0, 0
+        self.done_bytes, self.tokens, self.past = 0, 0, 0
         self.live = console.is_terminal
         self._progress: Any = None
         self._task: Any = None
@@ -50,15 +50,18 @@ class PrepareProgress:
         mb_s = _rate(self.done_bytes / 1e6, seconds)
         text = f"{self.done_bytes / 1e6:,.1f} MB · {mb_s:,.1f} MB/s · {_rate(self.tokens, seconds):,.0f} tokens/s"
         if self.total:
-            share = min(1.0, self.done_bytes / self.total)
-            left = (self.total - self.done_bytes) / 1e6 / mb_s if mb_s > 0 else float("nan")
+            reached = self.done_bytes + self.past
+            share = min(1.0, reached / self.total)
+            left = max(0, self.total - reached) / 1e6 / mb_s if mb_s > 0 else float("nan")
             text = f"{share:.1%} · {text}" + (f" · ETA {_clock(left)}" if left == left else "")
         return text
 
-    def update(self, done_bytes: int, tokens: int) -> None:
-        self.done_bytes, self.tokens = done_bytes, tokens
+    def update(self, done_bytes: int, tokens: int, past: int = 0) -> None:
+        """Bytes and tokens tokenized by this prepare, and ``past``: bytes a resume found written already."""
+        self.done_bytes, self.tokens, self.past = done_bytes, tokens, past
         if self._progress is not None:
-            self._progress.update(self._task, completed=min(done_bytes, self.total or done_bytes), line=self.line())
+            reached = min(done_bytes + past, self.total or done_bytes + past)
+            self._progress.update(self._task, completed=reached, line=self.line())
             return
         now = time.perf_counter()
         if now - self.shown >= self.every_s:

@@ -12,6 +12,7 @@ import glob
 import hashlib
 import json
 import os
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 LLMC_HEADER_INTS = 256
 LLMC_FORMATS = {20240520: (1, np.dtype("<u2")), 20240801: (7, np.dtype("<u4"))}
 TOKEN_SUFFIXES = (".bin", ".npy")
+OPEN_FILES = 64  # token files a reader keeps open at once
 _READ_CHUNK = 1 << 24  # bytes per read when scanning or hashing: large enough to be fast, small enough for RSS
 
 
@@ -83,21 +85,31 @@ class TokenArray:
     shared by every process of the machine that reads the same files, as a mapping's would.
     """
 
-    def __init__(self, files: Sequence[TokenFile], where: str) -> None:
+    def __init__(self, files: Sequence[TokenFile]) -> None:
         self.files = list(files)
-        self.where = where
-        self._fds: list[int] | None = None
+        self._open: OrderedDict[int, int] = OrderedDict()  # file index -> descriptor, the least recent first
         self.starts = np.cumsum([0] + [f.tokens for f in self.files], dtype=np.int64)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
     def __getstate__(self) -> dict[str, Any]:  # a DataLoader's worker process opens the files anew
-        return {**self.__dict__, "_fds": None}
+        return {**self.__dict__, "_open": OrderedDict()}
 
     def __del__(self) -> None:
-        for fd in self._fds or []:
+        for fd in getattr(self, "_open", {}).values():
             os.close(fd)
+
+    def _descriptor(self, index: int) -> int:
+        """File ``index`` opened, keeping at most OPEN_FILES open (a corpus of thousands of shards stays under the
+        process's limit on open files)."""
+        fd = self._open.pop(index, None)
+        if fd is None:
+            if len(self._open) >= OPEN_FILES:
+                os.close(self._open.popitem(last=False)[1])
+            fd = os.open(self.files[index].path, os.O_RDONLY)
+        self._open[index] = fd
+        return fd
 
     def windows(self, context: int) -> int:
         """Windows of ``context + 1`` tokens starting at multiples of ``context``."""
@@ -105,18 +117,18 @@ class TokenArray:
 
     def _read(self, index: int, start: int, count: int) -> np.ndarray:
         """``count`` tokens (fewer at the file's end) from token ``start`` of file ``index``."""
-        if self._fds is None:
-            self._fds = [os.open(f.path, os.O_RDONLY) for f in self.files]
         f = self.files[index]
         count = min(count, f.tokens - start)
         width = f.dtype.itemsize
-        raw = os.pread(self._fds[index], count * width, f.offset + start * width)
+        raw = os.pread(self._descriptor(index), count * width, f.offset + start * width)
         if len(raw) != count * width:
             raise DataError(f"token file '{f.path}' ended early (truncated while training?)")
         return np.frombuffer(raw, dtype=f.dtype)
 
     def gather(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Rows of ``length`` tokens starting at each of ``starts``, as int64 (rows × length)."""
+        if len(starts) and (int(starts.min()) < 0 or int(starts.max()) + length > len(self)):
+            raise IndexError(f"a window of {length} tokens from {int(starts.max())} lies outside the {len(self):,}")
         out = np.empty((len(starts), length), dtype=np.int64)
         which = np.searchsorted(self.starts, starts, side="right") - 1
         for row, (start, index) in enumerate(zip(starts.tolist(), which.tolist(), strict=True)):
@@ -134,7 +146,7 @@ class TokenArray:
             lo, hi = max(start, begin), min(stop, begin + f.tokens)
             if lo < hi:
                 files.append(TokenFile(f.path, f.dtype, hi - lo, f.offset + (lo - begin) * f.dtype.itemsize))
-        return TokenArray(files, self.where)
+        return TokenArray(files)
 
     def max_id(self) -> int:
         return max((f.max_id() for f in self.files), default=-1)
@@ -150,13 +162,16 @@ class ShardRecord:
     documents: int
     sha256: str
     max_id: int
-    # where the shard's tokens end in the source: (document index, tokens of that document already written)
-    ends_at: tuple[int, int] = (0, 0)
+    # where the shard's tokens end in the source: (document, piece of it, tokens of that piece written)
+    ends_at: tuple[int, int, int] = (0, 0, 0)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ShardRecord:
+        ends_at = tuple(int(v) for v in data["ends_at"])
+        if len(ends_at) != 3:
+            raise ValueError(f"ends_at holds {len(ends_at)} numbers, not 3")
         return cls(str(data["file"]), int(data["tokens"]), int(data["documents"]), str(data["sha256"]),
-                   int(data["max_id"]), tuple(data.get("ends_at", (0, 0))))  # type: ignore[arg-type]  # fmt: skip
+                   int(data["max_id"]), ends_at)  # type: ignore[arg-type]  # fmt: skip
 
 
 @dataclass
@@ -259,8 +274,6 @@ class TokenSource:
     train: TokenArray
     val: TokenArray | None
     where: str
-    manifest: Manifest | None = None
-    folder: Path | None = None
     largest_id: int | None = None  # known without a scan (a manifest), else None
 
     def max_id(self) -> int:
@@ -307,10 +320,10 @@ def open_prepared(folder: Path, verify: bool = True) -> TokenSource:
         raise DataError(f"token folder '{folder}' is not finished; run adloco prepare again to complete it")
     if not manifest.train:
         raise DataError(f"token folder '{folder}' has no training shards")
-    train = TokenArray([check_shard(folder, r, manifest.dtype, verify) for r in manifest.train], str(folder))
-    val = TokenArray([check_shard(folder, r, manifest.dtype, verify) for r in manifest.val], str(folder))
+    train = TokenArray([check_shard(folder, r, manifest.dtype, verify) for r in manifest.train])
+    val = TokenArray([check_shard(folder, r, manifest.dtype, verify) for r in manifest.val])
     largest = max(r.max_id for r in [*manifest.train, *manifest.val])
-    return TokenSource(train, val if len(val) else None, str(folder), manifest, folder, largest)
+    return TokenSource(train, val if len(val) else None, str(folder), largest)
 
 
 def _token_file(path: Path) -> TokenFile:
@@ -340,9 +353,25 @@ def _token_file(path: Path) -> TokenFile:
                 f"{(size - len(head)) / dtype.itemsize:,.1f} (truncated?)"
             )
         return TokenFile(path, dtype, tokens, len(head))
+    if _looks_like_a_header(head, size):
+        header = np.frombuffer(head, dtype="<i4")
+        raise DataError(
+            f"token file '{path}' starts with an unknown header (magic {int(header[0])}, version {int(header[1])}; "
+            f"known: llm.c's {', '.join(map(str, LLMC_FORMATS))})"
+        )
     if size % 2:
         raise DataError(f"token file '{path}' has an odd number of bytes ({size:,}): not uint16 tokens")
     return TokenFile(path, DTYPES["uint16"], size // 2)
+
+
+def _looks_like_a_header(head: bytes, size: int) -> bool:
+    """A header of llm.c's layout under another magic: a date-like magic, a small version and a token count that
+    fits the file, things raw uint16 tokens do not line up to by chance."""
+    if len(head) < LLMC_HEADER_INTS * 4:
+        return False
+    magic, version, tokens = (int(v) for v in np.frombuffer(head[:12], dtype="<i4"))
+    fits = any(size == len(head) + tokens * width for width in (2, 4))
+    return 20_000_101 <= magic <= 21_001_231 and 0 < version < 1000 and tokens > 0 and fits
 
 
 def _npy_file(path: Path) -> TokenFile:
@@ -374,7 +403,7 @@ def open_token_files(name: str) -> TokenArray:
     files = [_token_file(p) for p in _expand(name)]
     if len({f.dtype for f in files}) > 1:
         raise DataError(f"data '{name}': its files hold tokens of different widths")
-    return TokenArray(files, name)
+    return TokenArray(files)
 
 
 def open_token_source(dataset: str, val_dataset: str | None, val_fraction: float, verify: bool) -> TokenSource:

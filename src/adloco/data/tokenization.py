@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from adloco.data.fast_encoding import byte_symbols
 from adloco.data.hub import looks_local, not_found_offline, offline_message, offline_reason
 from adloco.data.sources import HF_PREFIX, DataError, first_line
 
@@ -170,20 +171,13 @@ def save_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
         tokenizer.save(directory)
 
 
-def _byte_symbols() -> dict[int, str]:
-    """The printable character byte-level tokenizers show for each byte (printable bytes stand for themselves)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
-
-
 def save_byte_tokenizer(directory: Path) -> None:
     """The byte tokenizer as a Hugging Face one (id = byte value), so ``AutoTokenizer`` loads an export of it."""
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {symbol: byte for byte, symbol in _byte_symbols().items()}
+    vocab = {symbol: byte for byte, symbol in byte_symbols().items()}
     core = RustTokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: every byte is its own token
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()

@@ -25,7 +25,7 @@ class TokenWindows(torch.utils.data.Dataset):
         tokens = source.train if split == "train" else source.val
         if tokens is None or tokens.windows(context) < 1:
             raise ValueError(f"'{dataset}' has no {split} window of {context + 1} tokens")
-        self.tokens, self.context, self.source = tokens, context, source
+        self.tokens, self.context = tokens, context
 
     def __len__(self) -> int:
         return self.tokens.windows(self.context)

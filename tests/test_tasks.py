@@ -301,5 +301,5 @@ def test_classification_settings_are_checked_before_anything_runs():
 
     with pytest.raises(ConfigError, match="tiny-bert is an encoder for task=classification"):
         build_config(overrides=["model.preset=tiny-bert"])
-    with pytest.raises(ConfigError, match="only task=classification reads a separate validation file"):
+    with pytest.raises(ConfigError, match="a separate validation file is read by task=classification and by .bin"):
         build_config(overrides=["data.val_dataset=val.jsonl"])

@@ -214,3 +214,28 @@ def test_adloco_variants_run_and_log_their_statistics(variant, fast_overrides):
         # the paper's estimator gathers each worker's full gradient: far more than scalars travel
         params = sum(t.numel() for t in final_params(result.run_dir).values())
         assert rounds[0]["bytes"] > 2 * 2 * 4 * params * 2 - 1
+
+
+def test_every_round_reports_its_mfu_against_the_given_peak(fast_overrides):
+    result = train(build_config(overrides=[*fast_overrides, "run.peak_tflops=0.01", "total_tokens=512"]))
+    rounds = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    assert rounds and all(0 < r["mfu"] < 1 for r in rounds)
+    from adloco.model import flops_per_token_of, preset_config
+
+    with torch.device("meta"):
+        from transformers import LlamaForCausalLM
+
+        per_token = flops_per_token_of(LlamaForCausalLM(preset_config("tiny", 256, 16)), 16)
+    first = rounds[0]
+    tokens = first["tokens"]
+    expected = tokens / (first["round_seconds"] - first["eval_seconds"]) * per_token / 1e10
+    assert first["mfu"] == pytest.approx(expected, rel=1e-3)
+
+
+def test_mfu_asked_for_on_a_device_of_unknown_peak_is_refused_before_training(tmp_path):
+    from tests.conftest import adloco_process
+
+    answer = adloco_process("train", "run.mfu=true", f"run.root={tmp_path}")
+    assert answer.returncode == 2
+    assert "run.mfu: the peak of this CPU for fp32 is not known; give run.peak_tflops" in answer.stderr
+    assert not any(tmp_path.iterdir())  # nothing was built or written

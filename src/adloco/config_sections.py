@@ -36,13 +36,14 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    preset: Literal["tiny", "small", "medium", "micro-llama-300m", "llama-1b", "tiny-bert", "small-bert"] | None = (
-        Field(
-            None,
-            description="Preset built offline with random init: LLaMA (tiny, small, medium, micro-llama-300m, "
-            "llama-1b) or BERT (tiny-bert, small-bert; classification only). Default: tiny, or tiny-bert for "
-            "task=classification.",
-        )
+    preset: (
+        Literal["tiny", "small", "medium", "llama-125m", "micro-llama-300m", "llama-1b", "tiny-bert", "small-bert"]
+        | None
+    ) = Field(
+        None,
+        description="Preset built offline with random init: LLaMA (tiny, small, medium, llama-125m, "
+        "micro-llama-300m, llama-1b) or BERT (tiny-bert, small-bert; classification only). Default: tiny, or "
+        "tiny-bert for task=classification.",
     )
     path: str | None = Field(
         None,
@@ -483,6 +484,15 @@ class RunConfig(_Section):
         "clearml (pip extras); [] for none. See docs/tracking.md.",
     )
     project: str = Field("adloco", min_length=1, description="Project / experiment name for wandb, mlflow, clearml.")
+    mfu: bool | None = Field(
+        None,
+        description="Report model FLOPs utilisation in every round record and the progress line; default: where "
+        "the device's peak is known (CUDA GPUs of the table in docs/gpu.md, or run.peak_tflops); true: refuse a run "
+        "whose peak is unknown.",
+    )
+    peak_tflops: float | None = Field(
+        None, gt=0, description="The dense peak of one device, TFLOP/s, for MFU (a CPU, or a GPU not in the table)."
+    )
 
     @model_validator(mode="before")
     @classmethod

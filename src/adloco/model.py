@@ -18,13 +18,16 @@ from adloco.losses import classification_loss, next_token_loss  # noqa: F401 - t
 Head = Literal["lm", "classification"]
 
 # Shapes: (layers, heads, key/value heads, hidden, MLP width, context). `tiny` is the size of nanoGPT's CPU
-# Shakespeare run (~0.9M parameters with bytes); `small` ~5M, `medium` ~20M; `micro-llama-300m` has
+# Shakespeare run (~0.9M parameters with bytes); `small` ~5M, `medium` ~20M; `llama-125m` is GPT-2 small's shape
+# (12 layers, 12 heads, hidden 768, context 1024) as a LLaMA: 85M parameters outside the embeddings, as GPT-2
+# 124M, and the MLP of LLaMA's 8/3 ratio (2048), ~135M with a 32k vocabulary (untied); `micro-llama-300m` has
 # MicroLlama's shape (~240M with bytes, ~300M with a 32k vocabulary); `llama-1b` TinyLlama's (~0.97B with bytes,
 # ~1.1B with a 32k vocabulary), a model to shard over several devices (shards=S).
 PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
     "tiny": (4, 4, 4, 128, 384, 64),
     "small": (6, 8, 8, 256, 688, 128),
     "medium": (8, 8, 8, 448, 1280, 256),
+    "llama-125m": (12, 12, 12, 768, 2048, 1024),
     "micro-llama-300m": (12, 16, 4, 1024, 5632, 2048),
     "llama-1b": (22, 32, 4, 2048, 5632, 2048),
 }
@@ -248,3 +251,17 @@ def resolve_model(
 
 def parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token_of(model: torch.nn.Module, context: int) -> float:
+    """Training FLOPs per token (``adloco.algorithms.flops``): the parameters outside embedding lookups (an output
+    head tied to the input embedding is a product and counts), the model's layers and hidden size."""
+    from adloco.algorithms.flops import flops_per_token
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = None if head is None else head.weight
+    lookups = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    lookups.pop(id(head_weight), None)
+    parameters = sum(p.numel() for p in model.parameters()) - sum(lookups.values())
+    config = model.config
+    return flops_per_token(parameters, int(config.num_hidden_layers), int(config.hidden_size), context)

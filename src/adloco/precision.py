@@ -123,3 +123,39 @@ def until_no_overflow(
         if not any(overflowed):
             return result
         log.debug("%s: fp16 gradients overflowed; retrying with scales %s", who, [s.scale for s in scales])
+
+
+# Dense peaks (FLOP/s, no sparsity) of GPUs by a substring of their name, per compute dtype: bf16/fp16 tensor cores,
+# tf32 (float32 matmuls on tensor cores) and plain fp32. The first match wins, so a variant precedes its family.
+_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
+    ("H100 NVL", {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12, "fp32": 60e12}),
+    ("H100", {"bf16": 989e12, "fp16": 989e12, "tf32": 495e12, "fp32": 67e12}),
+    ("H200", {"bf16": 989e12, "fp16": 989e12, "tf32": 495e12, "fp32": 67e12}),
+    ("GH200", {"bf16": 989e12, "fp16": 989e12, "tf32": 495e12, "fp32": 67e12}),
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+    ("L4", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    ("RTX 4090", {"bf16": 165e12, "fp16": 165e12, "tf32": 82.6e12, "fp32": 82.6e12}),
+    ("V100", {"fp16": 125e12, "fp32": 15.7e12}),
+)
+
+
+def compute_dtype(precision: str, tf32: bool) -> str:
+    """What the inner step's matrix products run in: bf16, fp16, tf32 or fp32."""
+    if precision != "fp32":
+        return precision
+    return "tf32" if tf32 else "fp32"
+
+
+def peak_flops(device: torch.device, precision: str, tf32: bool) -> float | None:
+    """The device's dense peak for the run's compute dtype, where it is in the table (CUDA GPUs); None elsewhere
+    (a CPU's depends on its cores, clock and vector units: give run.peak_tflops)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    dtype = compute_dtype(precision, tf32)
+    for part, peaks in _PEAKS:
+        if part in name:
+            return peaks.get(dtype)
+    return None

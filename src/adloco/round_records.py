@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adloco.algorithms.flops import utilisation
 from adloco.cluster import MergeEvent, RoundReport
 from adloco.metrics import memory_snapshot
 from adloco.run_state import RoundPlan, RunState
@@ -111,6 +112,10 @@ def round_record(
     counters, cluster = run.counters, run.cluster
     seconds = time.perf_counter() - plan.started
     classification = run.config.task == "classification"
+    trained = counters["tokens"] - plan.tokens_before
+    mfu = None  # the round's training, its evaluation left out
+    if run.peak_flops is not None:
+        mfu = utilisation(trained / max(seconds - eval_seconds, 1e-9), run.flops_per_token, run.peak_flops)
     return dict(
         round=plan.index + 1,
         steps=plan.steps,
@@ -122,7 +127,8 @@ def round_record(
         **({"val_accuracy": dict(run.last_accuracy) if evaluated else None} if classification else {}),
         **dict.fromkeys(("bytes", "bytes_total", "comm_seconds", "exchanges", "wait_seconds", "ranks", "memory")),
         step=counters["step"],
-        tokens_per_second=(counters["tokens"] - plan.tokens_before) / max(seconds, 1e-9),
+        tokens_per_second=trained / max(seconds, 1e-9),
+        mfu=mfu,
         round_seconds=seconds,
         eval_seconds=eval_seconds,
         seconds=counters["seconds"],

@@ -40,6 +40,9 @@ class RunState:
     last_accuracy: dict[int, float] = field(default_factory=dict)
     failed_streak: int = 0
     pending: PendingRound | None = None  # the last round's record, until every rank's figures are in
+    flops_per_token: float = 0.0  # the model's training FLOPs per token (adloco.algorithms.flops)
+    peak_flops: float | None = None  # the job's devices together, FLOP/s; None where unknown: no MFU
+    last_mfu: float | None = None  # the last round's, for the progress line
 
     @property
     def is_root(self) -> bool:

@@ -85,6 +85,7 @@ def scalars_of(kind: str, fields: dict[str, Any]) -> dict[str, float]:
         put("comm/seconds", fields.get("comm_seconds"))
         put("comm/peak_sync_bytes", fields.get("peak_sync_bytes"))
         put("perf/tokens_per_second", fields.get("tokens_per_second"))
+        put("perf/mfu", fields.get("mfu"))
         put("perf/round_seconds", fields.get("round_seconds"))
         put("perf/seconds", fields.get("seconds"))
         for entry in fields.get("memory") or []:

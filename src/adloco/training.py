@@ -33,7 +33,7 @@ from adloco.comm.distributed import (
     world_size_from_env,
 )
 from adloco.compilation import check_compile
-from adloco.config import TrainConfig, resume_changes
+from adloco.config import ConfigError, TrainConfig, resume_changes
 from adloco.data import (
     SAVED_DIR,
     build_tokenizer,
@@ -47,7 +47,9 @@ from adloco.data import (
 from adloco.data.token_files import check_resumed_tokenizer
 from adloco.errors import StorageError
 from adloco.metrics import MetricsWriter, RunDisplay
+from adloco.model import flops_per_token_of
 from adloco.placement import check_world, elastic_size, hosted_workers, resolve_device
+from adloco.precision import peak_flops
 from adloco.preflight import check_rank_memory
 from adloco.round_records import PendingRound, advance, gather_round_figures, round_record, settle
 from adloco.run_dir import (
@@ -152,6 +154,7 @@ def train(
 def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
     config, resized = elastic_size(config, comm.world_size, fresh=resume is None and restart_attempt() == 0)
     device = resolve_device(config)
+    job_peak_flops(config, device, comm.world_size)  # run.mfu=true on a device of unknown peak: refused now
     if config.compile:
         check_compile(device)
     # A torchrun attempt after a failure continues the run its first attempt made, with no --resume needed.
@@ -391,6 +394,8 @@ def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> RunSt
         eval_model=run_task.build_model(config.seed).to(device) if is_root else None,
         started=time.perf_counter() - counters["seconds"],
         last_checkpoint=checkpoint["round"] if checkpoint is not None else None,
+        flops_per_token=flops_per_token_of(run_task.build_skeleton(), cluster.context),
+        peak_flops=job_peak_flops(config, device, comm.world_size),
     )
 
 
@@ -444,6 +449,18 @@ def _plan_round(run: RunState) -> RoundPlan:
     )
 
 
+def job_peak_flops(config: TrainConfig, device: torch.device, ranks: int) -> float | None:
+    """The peak of the job's devices together (one per rank on CUDA; a CPU's run.peak_tflops is the machine's), or
+    None when MFU is not reported; run.mfu=true without a known peak is refused."""
+    if config.run.mfu is False:
+        return None
+    one = config.run.peak_tflops * 1e12 if config.run.peak_tflops else peak_flops(device, config.precision, config.tf32)
+    if one is None and config.run.mfu:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "this CPU"
+        raise ConfigError(f"run.mfu: the peak of {name} for {config.precision} is not known; give run.peak_tflops")
+    return None if one is None else one * (ranks if device.type == "cuda" else 1)
+
+
 def _after_step(run: RunState, plan: RoundPlan, progress: StepProgress, display: RunDisplay, stop: StopSignals) -> None:
     """After every inner step: a Ctrl-C that got lost stops the run here, else show the progress."""
     stop.raise_if_interrupted()
@@ -459,6 +476,7 @@ def _show_step(run: RunState, plan: RoundPlan, progress: StepProgress, display: 
     trainers = len(run.cluster.trainers)
     status = f"loss {progress.loss:.3f}{val} b={batch_label}" + (f" K={trainers}" if trainers > 1 else "")
     status += f" H={plan.sync_every}" if run.config.auto_sync else ""
+    status += f" MFU {run.last_mfu:.1%}" if run.last_mfu is not None else ""
     display.show(plan.index, plan.tokens_before + (progress.step + 1) * plan.per_step, status)
 
 
@@ -476,6 +494,7 @@ def _finish_round(run: RunState, plan: RoundPlan, report: RoundReport) -> None:
     evaluated, eval_seconds = _evaluate(run, plan.index, finished)
     counters["seconds"] = time.perf_counter() - run.started
     record = round_record(run, plan, report, merge, evaluated, eval_seconds) if run.metrics is not None else {}
+    run.last_mfu = record.get("mfu")
     run.pending = PendingRound(traffic, step_records, record, merge)
     checkpoint_due = not report.skipped and (_checkpoint_due(run, plan.index, report) or finished)
     if finished or checkpoint_due or run.failed_streak >= run.config.run.max_failed_rounds:

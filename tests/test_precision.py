@@ -167,3 +167,16 @@ def test_a_loss_scale_out_of_range_in_a_checkpoint_is_refused():
     for scale in (float("nan"), 0.5, 2.0**30):
         with pytest.raises(ValueError, match="loss scale"):
             LossScale.for_precision("fp16").load_state_dict({"scale": scale, "good_steps": 0})
+
+
+def test_auto_precision_is_bf16_on_a_cuda_gpu_and_fp32_elsewhere():
+    from adloco.config import build_config
+    from adloco.placement import resolve_device
+    from adloco.precision import resolved_precision
+
+    assert resolved_precision("auto", torch.device("cpu")) == "fp32"
+    assert resolved_precision("fp16", torch.device("cpu")) == "fp16"  # asked for: kept
+    config = build_config(overrides=["device=cpu"])
+    assert config.precision == "auto"
+    resolve_device(config)
+    assert config.precision == "fp32"  # what config.yaml records

@@ -30,7 +30,7 @@ from adloco.sync import RoundState, SyncSettings, SyncStrategy, WorkerRound, bui
 from adloco.sync.rounds import BoundaryRequest
 from adloco.sync.streaming import parameter_fragments
 from adloco.tasks import Task
-from adloco.trainer import Trainer
+from adloco.trainer import Trainer, theta_device
 from adloco.trainer_sync import MergeEvent
 from adloco.worker import Worker
 
@@ -198,9 +198,10 @@ class Cluster:
         self, trainer_id: int, template: torch.nn.Module, worker_ids: list[int], fragments: list[list[int]] | None
     ) -> Trainer:
         config = self.config
+        home = theta_device(config.outer.device, self.device, 0, user_loop=False)
         return Trainer(
             trainer_id,
-            [local_shard(p.detach(), self.comm.shard, self.comm.shards) for p in template.parameters()],
+            [local_shard(p.detach(), self.comm.shard, self.comm.shards).to(home) for p in template.parameters()],
             worker_ids,
             TrainerBatch.from_config(config.batch),
             outer_lr=config.outer.lr,

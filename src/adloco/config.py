@@ -108,11 +108,12 @@ class TrainConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where workers train: cuda when available (one GPU per rank), else cpu."
     )
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32",
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
         description="Inner steps' forward pass: fp32, or bf16 or fp16 under autocast (weights, optimizer state, "
         "outer state, exchanges and evaluation stay float32; runs on CPU and CUDA). fp16 scales each worker's loss "
-        "dynamically: an overflowing step is computed again on the same samples with half the scale.",
+        "dynamically: an overflowing step is computed again on the same samples with half the scale. auto: bf16 on "
+        "a CUDA GPU that has it, fp32 elsewhere (the run's config.yaml records which).",
     )
     compile: bool = Field(
         False,

@@ -160,6 +160,13 @@ class OuterConfig(_Section):
             raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
         return value
 
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Where θ, the outer optimizer's state and error-feedback residuals live: cpu (host memory, pinned "
+        "where there is a GPU: a round copies Δ over and θ back), cuda (beside the workers), auto (adloco train: "
+        "cpu; adloco.DiLoCo: cpu for models of 100 M parameters and more, else the model's device). See "
+        "docs/gpu.md.",
+    )
     overlap: Literal["none", "delayed", "eager"] = Field(
         "none",
         description="diloco/localsgd: exchange Δ during the next round; 'delayed' applies it a round late, "

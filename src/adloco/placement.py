@@ -99,16 +99,18 @@ def elastic_size(config: TrainConfig, world_size: int, fresh: bool) -> tuple[Tra
 
 
 def resolve_device(config: TrainConfig) -> torch.device:
-    """This rank's device: the CPU, or the CUDA device of its local rank (with the config's matmul settings)."""
+    """This rank's device: the CPU, or the CUDA device of its local rank, with the config's matmul settings and
+    ``precision=auto`` decided for it (bf16 on a CUDA GPU that has it, else fp32)."""
     import os
 
     import torch
 
-    from adloco.precision import configure_matmuls
+    from adloco.precision import configure_matmuls, resolved_precision
 
     if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
         if config.precision == "fp16":
             log.warning("precision fp16 on a CPU: float16 matmuls have no fast kernels there; bf16 or fp32 is faster")
+        config.precision = resolved_precision(config.precision, torch.device("cpu"))
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("device: cuda was asked for but no CUDA device is available")
@@ -116,4 +118,5 @@ def resolve_device(config: TrainConfig) -> torch.device:
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
     configure_matmuls(device, config.tf32)
+    config.precision = resolved_precision(config.precision, device)
     return device

@@ -22,9 +22,16 @@ Step = TypeVar("Step")
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def resolved_precision(precision: str, device: torch.device) -> str:
+    """``precision=auto`` on ``device``: bf16 on a CUDA GPU that has it (the fast path there), fp32 elsewhere."""
+    if precision != "auto":
+        return precision
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
 def autocast_for(precision: str, device: torch.device) -> AbstractContextManager:
     """The context a training step's forward runs in: nothing for fp32, autocast to the dtype otherwise."""
-    dtype = AUTOCAST_DTYPES[precision]
+    dtype = AUTOCAST_DTYPES[resolved_precision(precision, device)]
     if dtype is None:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
@@ -154,7 +161,7 @@ def peak_flops(device: torch.device, precision: str, tf32: bool) -> float | None
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    dtype = compute_dtype(precision, tf32)
+    dtype = compute_dtype(resolved_precision(precision, device), tf32)
     for part, peaks in _PEAKS:
         if part in name:
             return peaks.get(dtype)

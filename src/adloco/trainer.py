@@ -14,10 +14,27 @@ from adloco.algorithms.batch_tests import GradientStatistics, statistics_from_gr
 from adloco.algorithms.outer import ElementState, OuterFactory, OuterOptimizer
 from adloco.checkpoint import CheckpointError
 from adloco.comm.base import Communicator
+from adloco.errors import ConfigError
 from adloco.worker import Worker
 
 if TYPE_CHECKING:
     from adloco.batch.policy import TrainerBatch
+
+
+HOST_FROM_PARAMETERS = 100_000_000  # adloco.DiLoCo's outer.device=auto: host memory from this size on (docs/gpu.md)
+
+
+def theta_device(setting: str, model_device: torch.device, parameters: int, user_loop: bool) -> torch.device:
+    """Where a trainer keeps θ and its outer state for ``outer.device`` = ``setting``: host memory for ``cpu`` (and
+    for ``auto`` in adloco train, or from HOST_FROM_PARAMETERS parameters in a user's loop), beside the workers for
+    ``cuda``."""
+    if setting == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("outer.device: cuda was asked for but no CUDA device is available")
+        return model_device if model_device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    if setting == "auto" and user_loop and parameters < HOST_FROM_PARAMETERS:
+        return model_device
+    return torch.device("cpu")
 
 
 class Trainer:
@@ -37,6 +54,8 @@ class Trainer:
     ) -> None:
         self.trainer_id = trainer_id
         self.theta = [t.detach().clone().float() for t in theta]
+        if self.theta and self.theta[0].device.type == "cpu" and torch.cuda.is_available():
+            self.theta = [t.pin_memory() for t in self.theta]  # copies to and from a GPU without staging
         self.worker_ids = sorted(worker_ids)
         self.batch = batch  # b_req and what decides it: the batch policy's (adloco.batch)
         self.dispersion = math.nan  # its workers' pseudo-gradient dispersion δ in the last round (sync_every)

@@ -65,6 +65,7 @@ from adloco.stopping import Interrupted, Stopped, StopSignals
 from adloco.sync.rounds import BoundaryRequest
 from adloco.tasks import Task, build_task, classification_texts, mean_next_token_loss
 from adloco.tracking import open_trackers
+from adloco.trainer import theta_device
 
 log = logging.getLogger("adloco")
 
@@ -155,6 +156,7 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
     config, resized = elastic_size(config, comm.world_size, fresh=resume is None and restart_attempt() == 0)
     device = resolve_device(config)
     job_peak_flops(config, device, comm.world_size)  # run.mfu=true on a device of unknown peak: refused now
+    theta_device(config.outer.device, device, 0, user_loop=False)  # outer.device=cuda without one: refused now
     if config.compile:
         check_compile(device)
     # A torchrun attempt after a failure continues the run its first attempt made, with no --resume needed.

@@ -38,7 +38,7 @@ from adloco.sync import (
 )
 from adloco.sync.rounds import SKIPPED_STEP
 from adloco.sync.streaming import parameter_fragments
-from adloco.trainer import Trainer
+from adloco.trainer import Trainer, theta_device
 from adloco.trainer_sync import MergeEvent, maybe_merge, synchronize
 
 METHODS = ("diloco", "localsgd", "streaming", "ddp", "adloco")
@@ -454,10 +454,11 @@ def _trainers(
     with the adaptive batch each holds its own ``TrainerBatch``, else a constant one (the loop's own batch)."""
     outer = config.outer
     assert outer.lr is not None and outer.momentum is not None and config.trainers and config.workers
+    home = theta_device(outer.device, params[0].device, sum(p.numel() for p in params), user_loop=True)
     return {
         k: Trainer(
             k,
-            [p.detach() for p in params],  # this rank's rows of them when the model is sharded
+            [p.detach().to(home) for p in params],  # this rank's rows of them when the model is sharded
             worker_ids,
             TrainerBatch.from_config(config.batch)
             if adaptive

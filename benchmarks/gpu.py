@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py [--write]     # a CUDA GPU: llama-125m, bf16, compiled; about 8 minutes
     python benchmarks/gpu.py --quick       # the same code paths on the CPU in seconds (what the test suite runs)
+    python benchmarks/gpu.py --cpu --write # this CPU's target: medium (20 M), one worker, interleaved repeats
 
 Rows, each in a process of its own, all on the same token folder (a synthetic prepared one the script writes,
 or --data DIR), the same model, batch and kernels:
@@ -33,15 +34,20 @@ from common import ROOT, environment
 RESULTS = ROOT / "benchmarks" / "results" / "gpu.json"
 DOC = ROOT / "docs" / "gpu.md"
 MARKERS = ("<!-- gpu-bench:begin -->", "<!-- gpu-bench:end -->")
+CPU_MARKERS = ("<!-- cpu-bench:begin -->", "<!-- cpu-bench:end -->")
 
 
-def settings(quick: bool) -> dict:
-    """The shared settings of every row."""
-    if quick:
+def settings(mode: str) -> dict:
+    """The shared settings of every row: ``gpu`` (llama-125m, bf16, compiled), ``quick`` (tiny, a few steps) or
+    ``cpu`` (medium, fp32, eager: the target for a CPU, adloco at least 0.97x the bare loop)."""
+    if mode == "quick":
         return {"preset": "tiny", "context": 64, "batch": 8, "steps": 12, "warmup": 3, "precision": "fp32",
-                "compile": False, "device": "cpu", "tokens": 200_000, "vocab": 512}  # fmt: skip
+                "compile": False, "device": "cpu", "tokens": 200_000, "vocab": 512, "repeats": 1}  # fmt: skip
+    if mode == "cpu":
+        return {"preset": "medium", "context": 256, "batch": 8, "steps": 20, "warmup": 4, "precision": "fp32",
+                "compile": False, "device": "cpu", "tokens": 2_000_000, "vocab": 512, "repeats": 3}  # fmt: skip
     return {"preset": "llama-125m", "context": 1024, "batch": 32, "steps": 150, "warmup": 30, "precision": "bf16",
-            "compile": True, "device": "cuda", "tokens": 60_000_000, "vocab": 32768}  # fmt: skip
+            "compile": True, "device": "cuda", "tokens": 60_000_000, "vocab": 32768, "repeats": 1}  # fmt: skip
 
 
 def token_folder(path: Path, tokens: int, vocab: int) -> Path:
@@ -85,7 +91,9 @@ def bare_loop(folder: Path, s: dict) -> dict:
 
     vocab = read_manifest(folder).vocab_size
     model = build_model(preset_config(s["preset"], vocab, s["context"]), seed=0).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1, fused=device.type == "cuda")
+    from adloco.precision import adamw_kernel
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1, **adamw_kernel(device))
     step_loss = torch.compile(lambda x, y: next_token_loss(model, x, y)) if s["compile"] else None
     windows = TokenWindows(str(folder), s["context"])
     batches = iter(windows.sampler(s["batch"]))
@@ -132,7 +140,8 @@ def adloco_row(folder: Path, s: dict, overrides: list[str], root: Path, name: st
     """``adloco train`` with the row's settings; figures from its rounds after the first."""
     workers = 4 if "workers=4" in overrides else 1
     per_worker = s["batch"] // workers
-    steps_per_round = 10 if s["device"] == "cpu" else 50
+    # whole rounds only: the budget is a multiple of them, and the first (compilation, probes) is not timed
+    steps_per_round = (s["warmup"] + s["steps"]) // 3 if s["device"] == "cpu" else 50
     budget = (s["warmup"] + s["steps"]) * s["batch"] * s["context"]
     command = [sys.executable, "-m", "adloco", "train", f"data.dataset={folder}", "data.verify=size",
                f"model.preset={s['preset']}", f"model.context={s['context']}", f"precision={s['precision']}",
@@ -141,7 +150,7 @@ def adloco_row(folder: Path, s: dict, overrides: list[str], root: Path, name: st
                "inner.lr=6e-4", "eval.every=100000", "eval.final_full=false", "eval.blocks=2",
                "run.progress=false", "run.save_final=false", "run.plots=false", "run.trackers=[]",
                f"run.root={root}", f"run.name={name}", *overrides]  # fmt: skip
-    if s["device"] == "cpu":  # quick mode: a nominal peak, so that the MFU path runs; in this process (seconds)
+    if s["device"] == "cpu":  # a nominal peak, so that the MFU path runs; in this process (a CPU runs one thing)
         from adloco.config import build_config
         from adloco.training import train
 
@@ -149,36 +158,63 @@ def adloco_row(folder: Path, s: dict, overrides: list[str], root: Path, name: st
     else:  # a process of its own: the GPU's memory and compiled kernels start clean for every row
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=1800)
     records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines() if line]
-    rounds = [r for r in records if r["kind"] == "round"][1:] or [r for r in records if r["kind"] == "round"]
+    every = [r for r in records if r["kind"] == "round"]
+    rounds = every[1:] or every
+    rates = [  # the round's tokens over its training time (its evaluation, if any, left out)
+        (r["tokens"] - before["tokens"]) / (r["round_seconds"] - r["eval_seconds"])
+        for before, r in zip([{"tokens": 0}, *every], every, strict=False)
+        if r in rounds
+    ]
     memory = [m.get("cuda_peak_allocated_mib") for r in rounds for m in r["memory"] or []]
     mfus = [r["mfu"] for r in rounds if r.get("mfu") is not None]
-    return {"tokens_per_s": round(statistics.median(r["tokens_per_second"] for r in rounds)),
+    return {"tokens_per_s": round(statistics.median(rates)),
             "mfu": statistics.median(mfus) if mfus else None,
             "peak_memory_mib": max((m for m in memory if m is not None), default=None)}  # fmt: skip
 
 
-def measure(quick: bool, data: Path | None) -> dict:
-    s = settings(quick)
+def measure(mode: str, data: Path | None) -> dict:
+    """Every row of the mode, the rows taken in turn ``repeats`` times (so that a slow spell of the machine falls on
+    all of them); each row's median."""
+    s = settings(mode)
     if s["device"] == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("gpu.py measures a CUDA GPU; none is here (use --quick on a CPU)")
+        raise SystemExit("gpu.py measures a CUDA GPU; none is here (use --quick or --cpu on a CPU)")
+    rows = ROWS
+    if mode == "cpu":  # adloco's default (its stacked model) and the transformers module the bare loop runs
+        one = ROWS["adloco diloco, 1 worker"]
+        rows = {"adloco diloco, 1 worker": one, "adloco diloco, 1 worker, HF module": [*one, "batched_workers=false"]}
+    runs: dict[str, list[dict]] = {name: [] for name in ["bare loop", *rows]}
     with tempfile.TemporaryDirectory() as scratch:
         folder = data or token_folder(Path(scratch) / "tokens", s["tokens"], s["vocab"])
-        rows = {"bare loop": bare_loop(folder, s)}
-        for name, overrides in ROWS.items():
-            label = name.replace(" ", "_").replace(",", "")
-            rows[name] = adloco_row(folder, s, overrides, Path(scratch) / "runs", label)
-    bare = rows["bare loop"]["tokens_per_s"]
-    for row in rows.values():
+        for repeat in range(s["repeats"]):
+            runs["bare loop"].append(bare_loop(folder, s))
+            for name, overrides in rows.items():
+                label = f"{name.replace(' ', '_').replace(',', '')}_{repeat}"
+                runs[name].append(adloco_row(folder, s, overrides, Path(scratch) / "runs", label))
+    result = {name: _median_row(taken) for name, taken in runs.items()}
+    bare = result["bare loop"]["tokens_per_s"]
+    for row in result.values():
         row["of_bare_loop"] = round(row["tokens_per_s"] / bare, 3)
     device = torch.cuda.get_device_name(0) if s["device"] == "cuda" else "CPU"
-    return {"settings": s, "device": device, "rows": rows, "environment": environment()}
+    return {"mode": mode, "settings": s, "device": device, "rows": result, "environment": environment()}
+
+
+def _median_row(taken: list[dict]) -> dict:
+    """The median of each figure over a row's repeats (the runs' tokens/s kept too)."""
+    row = {}
+    for key in taken[0]:
+        values = [t[key] for t in taken if t[key] is not None]
+        row[key] = statistics.median(values) if values else None
+    row["tokens_per_s"] = round(row["tokens_per_s"])
+    row["runs_tokens_per_s"] = [t["tokens_per_s"] for t in taken]
+    return row
 
 
 def render(result: dict) -> str:
     s = result["settings"]
     lines = [
         f"{result['device']}, `{s['preset']}`, context {s['context']}, batch {s['batch']}, {s['precision']}"
-        f"{', compiled' if s['compile'] else ''}; {s['steps']} timed steps after {s['warmup']}.",
+        f"{', compiled' if s['compile'] else ''}; {s['steps']} timed steps after {s['warmup']}; the median of "
+        f"{s['repeats']} runs each, taken in turn.",
         "",
         "| run | tokens/s | × bare loop | MFU | peak memory (MiB) | waiting for data |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
@@ -193,11 +229,13 @@ def render(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the same code paths on the CPU, in seconds")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="the same code paths on the CPU, in seconds")
+    mode.add_argument("--cpu", action="store_true", help="this CPU's target: medium, one worker, repeats in turn")
     parser.add_argument("--data", type=Path, default=None, help="a prepared token folder (default: synthetic)")
     parser.add_argument("--write", action="store_true", help="append to results/gpu.json and render docs/gpu.md")
     args = parser.parse_args(argv)
-    result = measure(args.quick, args.data)
+    result = measure("quick" if args.quick else "cpu" if args.cpu else "gpu", args.data)
     text = render(result)
     print(text)
     if args.write:
@@ -205,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         calls = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
         RESULTS.write_text(json.dumps([*calls, result], indent=2) + "\n")
-        write_between(DOC, *MARKERS, text)
+        write_between(DOC, *(CPU_MARKERS if result["mode"] == "cpu" else MARKERS), text)
     return result
 
 

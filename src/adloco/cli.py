@@ -416,6 +416,9 @@ def _train(args: argparse.Namespace, load_config) -> int:
         return 0
     if args.quiet:
         config.run.progress = False
+    from adloco.preflight import check_inputs
+
+    check_inputs(config)  # before torch is imported: a wrong path or world is said in a second
     console = Console(stderr=True)
     if config.fault_tolerance.lighthouse is not None:
         return _train_replica(config, run_dir, console, args.verbose)

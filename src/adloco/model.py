@@ -13,31 +13,10 @@ from transformers.utils import logging as hf_logging
 
 from adloco.checkpoint import CheckpointError
 from adloco.config import ConfigError
+from adloco.config_sections import BERT_PRESETS, PRESETS
 from adloco.losses import classification_loss, next_token_loss  # noqa: F401 - their home before
 
 Head = Literal["lm", "classification"]
-
-# Shapes: (layers, heads, key/value heads, hidden, MLP width, context). `tiny` is the size of nanoGPT's CPU
-# Shakespeare run (~0.9M parameters with bytes); `small` ~5M, `medium` ~20M; `llama-125m` is GPT-2 small's shape
-# (12 layers, 12 heads, hidden 768, context 1024) as a LLaMA: 85M parameters outside the embeddings, as GPT-2
-# 124M, and the MLP of LLaMA's 8/3 ratio (2048), ~135M with a 32k vocabulary (untied); `micro-llama-300m` has
-# MicroLlama's shape (~240M with bytes, ~300M with a 32k vocabulary); `llama-1b` TinyLlama's (~0.97B with bytes,
-# ~1.1B with a 32k vocabulary), a model to shard over several devices (shards=S).
-PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
-    "tiny": (4, 4, 4, 128, 384, 64),
-    "small": (6, 8, 8, 256, 688, 128),
-    "medium": (8, 8, 8, 448, 1280, 256),
-    "llama-125m": (12, 12, 12, 768, 2048, 1024),
-    "micro-llama-300m": (12, 16, 4, 1024, 5632, 2048),
-    "llama-1b": (22, 32, 4, 2048, 5632, 2048),
-}
-
-# BERT encoders for sequence classification: (layers, heads, hidden, MLP width, context).
-# `tiny-bert` ~0.45M parameters with bytes, `small-bert` ~3.3M.
-BERT_PRESETS: dict[str, tuple[int, int, int, int, int]] = {
-    "tiny-bert": (2, 2, 128, 512, 128),
-    "small-bert": (4, 4, 256, 1024, 256),
-}
 
 
 def preset_config(preset: str, vocab_size: int, context: int | None = None) -> LlamaConfig:

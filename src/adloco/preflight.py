@@ -101,3 +101,17 @@ def check_rank_memory(config: TrainConfig, model: torch.nn.Module, context: int,
         shards=config.shards,
     )
     check_memory(estimate, available_memory())
+
+
+def check_inputs(config: TrainConfig) -> None:
+    """What a run's settings name, checked before torch is imported: the ranks the launcher started against the
+    workers and shards, and a language model's data source (``adloco.data.preflight``)."""
+    from adloco.config_sections import PRESETS
+    from adloco.data.preflight import check_data
+    from adloco.launcher import launched_by_torchrun, world_size_from_env
+    from adloco.placement import check_world
+
+    check_world(config, world_size_from_env(), launched_by_torchrun())
+    if config.task == "lm":
+        preset = PRESETS.get(config.model.preset or "")
+        check_data(config.data, config.model.context or (preset[5] if preset else None))

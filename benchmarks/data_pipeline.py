@@ -187,7 +187,7 @@ def encoders(source: Path, tokenizer: Path, megabytes: float) -> dict:
     import os
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from adloco.data.prepare import _Encoder
+    from adloco.data.encoding import Encoder
     from adloco.data.sources import folder_files
 
     texts, size = [], 0
@@ -201,7 +201,7 @@ def encoders(source: Path, tokenizer: Path, megabytes: float) -> dict:
             break
     rates, ids = {}, {}
     for engine in ("tiktoken", "tokenizers"):
-        encoder = _Encoder(engine, str(tokenizer / "tokenizer.json"), 0, "uint32")
+        encoder = Encoder(engine, str(tokenizer / "tokenizer.json"), 0, "uint32")
         started = time.perf_counter()
         ids[engine] = encoder.ids(texts)
         rates[engine] = round(size / 1e6 / (time.perf_counter() - started), 2)

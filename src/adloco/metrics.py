@@ -11,16 +11,21 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from adloco.checkpoint import write_failure
+from adloco.errors import ConfigError
+from adloco.precision import peak_flops
 from adloco.records import read_metrics  # noqa: F401 - where the writer is, readers look first
 from adloco.tracking import FanOut, Tracker
 from adloco.units import duration, short_count
+
+if TYPE_CHECKING:
+    from adloco.config import TrainConfig
 
 _MIB = 2**20
 
@@ -225,3 +230,15 @@ class RunDisplay:
             self.task, completed=min(tokens, self.total), tokens=counted, status=f"r{round_index + 1} {status}"
         )
         self.lines.update(round_index, tokens, status, force=force)
+
+
+def job_peak_flops(config: TrainConfig, device: torch.device, ranks: int) -> float | None:
+    """The peak of the job's devices together (one per rank on CUDA; a CPU's run.peak_tflops is the machine's), or
+    None when MFU is not reported; run.mfu=true without a known peak is refused."""
+    if config.run.mfu is False:
+        return None
+    one = config.run.peak_tflops * 1e12 if config.run.peak_tflops else peak_flops(device, config.precision, config.tf32)
+    if one is None and config.run.mfu:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "this CPU"
+        raise ConfigError(f"run.mfu: the peak of {name} for {config.precision} is not known; give run.peak_tflops")
+    return None if one is None else one * (ranks if device.type == "cuda" else 1)

@@ -111,7 +111,8 @@ def check_inputs(config: TrainConfig) -> None:
     from adloco.launcher import launched_by_torchrun, world_size_from_env
     from adloco.placement import check_world
 
-    check_world(config, world_size_from_env(), launched_by_torchrun())
+    if config.fault_tolerance.lighthouse is None:  # a replica's world is its own (replica_training checks it)
+        check_world(config, world_size_from_env(), launched_by_torchrun())
     if config.task == "lm":
         preset = PRESETS.get(config.model.preset or "")
         check_data(config.data, config.model.context or (preset[5] if preset else None))

@@ -33,7 +33,7 @@ from adloco.comm.distributed import (
     world_size_from_env,
 )
 from adloco.compilation import check_compile
-from adloco.config import ConfigError, TrainConfig, resume_changes
+from adloco.config import TrainConfig, resume_changes
 from adloco.data import (
     SAVED_DIR,
     build_tokenizer,
@@ -44,12 +44,10 @@ from adloco.data import (
     source_from_config,
     training_texts,
 )
-from adloco.data.token_files import check_resumed_tokenizer
 from adloco.errors import StorageError
-from adloco.metrics import MetricsWriter, RunDisplay
+from adloco.metrics import MetricsWriter, RunDisplay, job_peak_flops
 from adloco.model import flops_per_token_of
 from adloco.placement import check_world, elastic_size, hosted_workers, resolve_device
-from adloco.precision import peak_flops
 from adloco.preflight import check_rank_memory
 from adloco.round_records import PendingRound, advance, gather_round_figures, round_record, settle
 from adloco.run_dir import (
@@ -220,17 +218,12 @@ def tokenizer_and_task(config: TrainConfig, resume: Path | None) -> tuple:
     if config.task == "classification":
         tokenizer = build_tokenizer(config.data, classification_texts(config), saved)
         return tokenizer, build_task(config, tokenizer)
-    if names_token_files(config.data.dataset):  # tokenized already: the tokenizer is the one that wrote them
-        tokenizer = build_tokenizer(config.data, None, saved)
-        if saved is not None:
-            check_resumed_tokenizer(config.data.dataset, saved)
-        return tokenizer, build_task(
-            config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context, seed=config.seed)
-        )
-    source = source_from_config(config.data)
-    tokenizer = build_tokenizer(config.data, training_texts(config.data, source), saved)
+    # token files were tokenized already: their tokenizer is the one that wrote them, nothing is read to train one
+    source = None if names_token_files(config.data.dataset) else source_from_config(config.data)
+    texts = None if source is None else training_texts(config.data, source)
+    tokenizer = build_tokenizer(config.data, texts, saved)
     return tokenizer, build_task(
-        config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context, source)
+        config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context, source, seed=config.seed)
     )
 
 
@@ -449,18 +442,6 @@ def _plan_round(run: RunState) -> RoundPlan:
         samples=cluster.samples_per_step(),
         sync_every=sync_every,
     )
-
-
-def job_peak_flops(config: TrainConfig, device: torch.device, ranks: int) -> float | None:
-    """The peak of the job's devices together (one per rank on CUDA; a CPU's run.peak_tflops is the machine's), or
-    None when MFU is not reported; run.mfu=true without a known peak is refused."""
-    if config.run.mfu is False:
-        return None
-    one = config.run.peak_tflops * 1e12 if config.run.peak_tflops else peak_flops(device, config.precision, config.tf32)
-    if one is None and config.run.mfu:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "this CPU"
-        raise ConfigError(f"run.mfu: the peak of {name} for {config.precision} is not known; give run.peak_tflops")
-    return None if one is None else one * (ranks if device.type == "cuda" else 1)
 
 
 def _after_step(run: RunState, plan: RoundPlan, progress: StepProgress, display: RunDisplay, stop: StopSignals) -> None:

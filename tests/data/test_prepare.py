@@ -15,8 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
+import adloco.data.documents as documents
+import adloco.data.encoding as encoding
 import adloco.data.prepare as prepare_module
-from adloco.data.prepare import PrepareSettings, choose_engine, prepare, summary
+from adloco.data.encoding import choose_engine
+from adloco.data.prepare import PrepareSettings, prepare, summary
 from adloco.data.prepare_progress import PrepareProgress
 from adloco.data.sources import resolve_source
 from adloco.data.token_files import MANIFEST, open_token_source, read_manifest
@@ -101,16 +104,16 @@ def test_the_fast_encoder_is_only_used_where_it_agrees(tmp_path, monkeypatch):
     source = _folder(tmp_path / "text", count=10)
     prepare(PrepareSettings(str(source), "bpe", vocab_size=300, val_every=1000), tmp_path / "out", QUIET)
     file = str(tmp_path / "out" / "tokenizer" / "tokenizer.json")
-    pieces = prepare_module._pieces(resolve_source(str(source)), PrepareSettings(str(source)))
+    pieces = documents.pieces(resolve_source(str(source)), PrepareSettings(str(source)))
     assert choose_engine("bpe", file, pieces) == "tiktoken"
-    real = prepare_module._Encoder.ids
+    real = encoding.Encoder.ids
 
     def off_by_one(self, texts):
         ids = real(self, texts)
         return [i + 1 for i in ids] if self.engine == "tiktoken" else ids
 
-    monkeypatch.setattr(prepare_module._Encoder, "ids", off_by_one)
-    pieces = prepare_module._pieces(resolve_source(str(source)), PrepareSettings(str(source)))
+    monkeypatch.setattr(encoding.Encoder, "ids", off_by_one)
+    pieces = documents.pieces(resolve_source(str(source)), PrepareSettings(str(source)))
     assert choose_engine("bpe", file, pieces) == "tokenizers"
     assert choose_engine("byte", None, iter([])) == "byte"
 
@@ -119,7 +122,7 @@ def test_a_single_text_file_holds_out_its_tail_and_is_read_in_pieces(tmp_path, m
     lines = [f"line {i} {'x' * (i % 13)}\n" for i in range(400)]
     path = tmp_path / "book.txt"
     path.write_text("".join(lines))
-    monkeypatch.setattr(prepare_module, "PIECE_BYTES", 97)  # many pieces, each cut after a line end
+    monkeypatch.setattr(documents, "PIECE_BYTES", 97)  # many pieces, each cut after a line end
     out = tmp_path / "out"
     prepare(PrepareSettings(str(path), "byte", val_fraction=0.25, shard_tokens=500), out, QUIET)
     raw = path.read_bytes()
@@ -259,8 +262,8 @@ def test_special_token_text_in_a_document_is_text_for_both_encoders(tmp_path, en
     out = tmp_path / "out"
     manifest = prepare(PrepareSettings(str(source), "bpe", vocab_size=300, val_every=1000), out, QUIET)
     file = str(out / "tokenizer" / "tokenizer.json")
-    encoder = prepare_module._Encoder(engine, file, manifest.eot_id, "uint16")
-    piece = prepare_module.Piece("train", 0, 0, True, "before <|endoftext|> after")
+    encoder = encoding.Encoder(engine, file, manifest.eot_id, "uint16")
+    piece = documents.Piece("train", 0, 0, True, "before <|endoftext|> after")
     ((_, ids, size),) = encoder.encode([piece])
     assert ids[-1] == manifest.eot_id and manifest.eot_id not in ids[:-1].tolist() and size == 26
 
@@ -286,10 +289,10 @@ def test_the_output_may_not_lie_inside_the_source_and_paths_name_one_prepare(tmp
 
 
 def test_a_line_of_megabytes_is_cut_between_characters(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare_module, "PIECE_BYTES", 64)
-    monkeypatch.setattr(prepare_module, "LONG_LINE_BYTES", 256)
+    monkeypatch.setattr(documents, "PIECE_BYTES", 64)
+    monkeypatch.setattr(documents, "LONG_LINE_BYTES", 256)
     text = ("naïve " * 200).strip() + "ü" * 300 + "\nend\n"
     path = tmp_path / "one_line.txt"
     path.write_text(text)
-    pieces = list(prepare_module._file_pieces(path))
+    pieces = list(documents._file_pieces(path))
     assert "".join(pieces) == text and max(len(p.encode()) for p in pieces) < 256 + 64

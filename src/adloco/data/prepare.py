@@ -16,29 +16,24 @@ import errno
 import os
 import shutil
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from adloco.data.documents import Piece, pieces, source_size
+from adloco.data.encoding import choose_engine, encode_batches
 from adloco.data.prepare_progress import PrepareProgress
 from adloco.data.sources import (
     TEXT_SUFFIXES,
     Source,
-    decode_text,
     first_line,
-    folder_files,
-    read_text_file,
     resolve_source,
 )
 from adloco.data.token_files import (
-    DTYPES,
     MANIFEST,
     TOKENIZER_DIR,
     Manifest,
@@ -52,8 +47,6 @@ from adloco.data.token_files import (
 )
 from adloco.errors import DataError
 
-PIECE_BYTES = 1 << 20  # a single text file is tokenized in pieces of about this size, cut after a line end
-LONG_LINE_BYTES = 4 * PIECE_BYTES  # a line longer than this is cut at a space instead
 BATCH_BYTES = 1 << 20  # text per batch sent to a tokenizing process
 BYTE_EOT = 0  # the byte tokenizer's end of document: NUL, which no text source holds (they are refused)
 
@@ -94,17 +87,6 @@ class PrepareSettings:
             raise DataError(f"prepare: a bpe vocabulary needs at least 258 entries, got {self.vocab_size}")
         if not 0 < self.val_fraction < 1:
             raise DataError(f"prepare: --val-fraction must be in (0, 1), got {self.val_fraction}")
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Part of a document: ``piece`` of document ``doc`` in ``split``; ``last`` ends the document."""
-
-    split: str
-    doc: int
-    piece: int
-    last: bool
-    text: str
 
 
 def _say(console: Any, message: str) -> None:
@@ -170,7 +152,7 @@ def _plan_tokenizer(settings: PrepareSettings, source: Source, out: Path, consol
 def _bpe_sample(source: Source, settings: PrepareSettings) -> Iterator[str]:
     """Every ``bpe_every``-th training piece until ``bpe_chars`` characters (validation documents left out)."""
     used, index = 0, 0
-    for piece in _pieces(source, settings, skip_unreadable=True):
+    for piece in pieces(source, settings, skip_unreadable=True):
         if piece.split != "train":
             continue
         if index % settings.bpe_every == 0:
@@ -180,196 +162,6 @@ def _bpe_sample(source: Source, settings: PrepareSettings) -> Iterator[str]:
             if used >= settings.bpe_chars:
                 return
         index += 1
-
-
-class _Encoder:
-    """Turns pieces into token ids (an end-of-document id after a document's last piece); one per process.
-    ``engine``: byte, tiktoken (a byte-level BPE converted, see ``fast_encoding``) or tokenizers."""
-
-    def __init__(self, engine: str, file: str | None, eot: int, dtype: str) -> None:
-        self.engine, self.eot, self.dtype = engine, eot, DTYPES[dtype]
-        self.core: Any = None
-        if engine == "tiktoken":
-            from adloco.data.fast_encoding import tiktoken_encoding
-
-            self.core = tiktoken_encoding(file)
-        elif engine == "tokenizers":
-            from tokenizers import Tokenizer
-
-            self.core = Tokenizer.from_file(file)
-            self.core.encode_special_tokens = True  # "<|endoftext|>" written in a text is text, as tiktoken reads it
-
-    def ids(self, texts: list[str]) -> list[np.ndarray]:
-        if self.engine == "byte":
-            return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(self.dtype) for t in texts]
-        if self.engine == "tiktoken":
-            return [np.array(self.core.encode_ordinary(t), dtype=self.dtype) for t in texts]
-        return [np.array(e.ids, dtype=self.dtype) for e in self.core.encode_batch(texts, add_special_tokens=False)]
-
-    def encode(self, pieces: list[Piece]) -> list[tuple[Piece, np.ndarray, int]]:
-        """Each piece with its ids and the bytes of text it held."""
-        ids = self.ids([p.text for p in pieces])
-        eot = np.array([self.eot], dtype=self.dtype)
-        return [(p, np.concatenate([i, eot]) if p.last else i, len(p.text.encode("utf-8")))
-                for p, i in zip(pieces, ids, strict=True)]  # fmt: skip
-
-
-SAMPLE_CHARS = 2_000_000  # text both encoders tokenize before tiktoken is trusted with a source
-
-
-def choose_engine(kind: str, file: str | None, pieces: Iterator[Piece]) -> str:
-    """tiktoken where the tokenizer converts and gives the same ids as ``tokenizers`` on the source's first pieces
-    (about SAMPLE_CHARS of text), else ``tokenizers``; bytes need neither."""
-    if kind == "byte":
-        return "byte"
-    from adloco.data.fast_encoding import tiktoken_encoding
-
-    if file is None or tiktoken_encoding(file) is None:
-        return "tokenizers"
-    sample, size = [], 0
-    for piece in pieces:
-        sample.append(piece.text)
-        size += len(piece.text)
-        if size >= SAMPLE_CHARS:
-            break
-    fast, exact = _Encoder("tiktoken", file, 0, "uint32"), _Encoder("tokenizers", file, 0, "uint32")
-    same = all(np.array_equal(a, b) for a, b in zip(fast.ids(sample), exact.ids(sample), strict=True))
-    return "tiktoken" if same else "tokenizers"
-
-
-_ENCODER: _Encoder | None = None
-
-
-def _start_encoder(kind: str, file: str | None, eot: int, dtype: str) -> None:
-    global _ENCODER
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
-    _ENCODER = _Encoder(kind, file, eot, dtype)
-
-
-def _encode_in_process(pieces: list[Piece]) -> list[tuple[Piece, np.ndarray, int]]:
-    assert _ENCODER is not None
-    return _ENCODER.encode(pieces)
-
-
-# -- documents --------------------------------------------------------------------------------------------------
-def _file_pieces(path: Path, start: int = 0, stop: int | None = None) -> Iterator[str]:
-    """Bytes [start, stop) of a UTF-8 file as texts of about PIECE_BYTES, each cut after a line end."""
-    with path.open("rb") as handle:
-        handle.seek(start)
-        left = (stop if stop is not None else path.stat().st_size) - start
-        carry = b""
-        while left > 0:
-            block = handle.read(min(PIECE_BYTES, left))
-            if not block:
-                break
-            left -= len(block)
-            block = carry + block
-            cut = block.rfind(b"\n") + 1 if left > 0 else len(block)
-            if cut == 0 and len(block) < LONG_LINE_BYTES:  # a line longer than a piece: read on
-                carry = block
-                continue
-            if cut == 0:  # a line of megabytes: cut at its last space, else between two characters
-                cut = block.rfind(b" ") + 1 or _character_start(block, len(block) - 1)
-            carry = block[cut:]
-            yield decode_text(block[:cut], f"data file '{path}'")
-        if carry:
-            yield decode_text(carry, f"data file '{path}'")
-
-
-def _character_start(raw: bytes, at: int) -> int:
-    """The offset of the UTF-8 character that holds byte ``at`` (continuation bytes are 0b10xxxxxx)."""
-    while at > 0 and raw[at] & 0xC0 == 0x80:
-        at -= 1
-    return at
-
-
-def _line_cut(path: Path, fraction: float) -> int:
-    """The byte offset of the first line start at or after ``fraction`` of the file."""
-    size = path.stat().st_size
-    target = int(size * fraction)
-    with path.open("rb") as handle:
-        handle.seek(target)
-        if target == 0:
-            return 0
-        handle.seek(target - 1)
-        while True:
-            block = handle.read(1 << 16)
-            if not block:
-                return size
-            newline = block.find(b"\n")
-            if newline >= 0:
-                return handle.tell() - len(block) + newline + 1
-
-
-def _single_document(source: Source, settings: PrepareSettings) -> Iterator[Piece]:
-    """A text file (or the bundled corpus): its leading part the training document 0, its trailing
-    ``val_fraction`` (cut at a line start) the validation document 1."""
-    if source.kind == "bundled":
-        from adloco.data.sources import bundled_text
-
-        text = bundled_text(source.location)
-        cut = len(text) - int(len(text) * settings.val_fraction)
-        cut = text.rfind("\n", 0, cut) + 1 or cut
-        parts = [("train", iter([text[:cut]])), ("val", iter([text[cut:]]))]
-    else:
-        path = Path(source.location)
-        cut = _line_cut(path, 1 - settings.val_fraction)
-        parts = [("train", _file_pieces(path, 0, cut)), ("val", _file_pieces(path, cut))]
-    for doc, (split, texts) in enumerate(parts):
-        previous = next(texts, "")
-        index = 0
-        for text in texts:
-            yield Piece(split, doc, index, False, previous)
-            previous, index = text, index + 1
-        yield Piece(split, doc, index, True, previous)
-
-
-def _documents(source: Source, settings: PrepareSettings, skipped: list[str] | None) -> Iterator[str]:
-    """The source's documents; with ``skipped``, folder files that are binary or not UTF-8 are left out and named
-    there rather than stopping the prepare."""
-    if source.kind != "folder":
-        yield from source.documents(streaming=True)
-        return
-    for path in _listing(source.location, settings.suffixes):
-        try:
-            yield read_text_file(path)
-        except (DataError, OSError) as error:
-            if skipped is None:
-                raise DataError(f"prepare: {first_line(error)}") from None
-            skipped.append(str(path.relative_to(source.location)))
-
-
-@cache
-def _listing(folder: str, suffixes: tuple[str, ...]) -> list[Path]:
-    """A folder's files, listed once per prepare (a large tree takes seconds to walk)."""
-    return folder_files(Path(folder), suffixes)
-
-
-def _pieces(source: Source, settings: PrepareSettings, skip_unreadable: bool = False,
-            skipped: list[str] | None = None) -> Iterator[Piece]:  # fmt: skip
-    """Every piece of the source in order, with the split its document belongs to."""
-    if source.kind in ("bundled", "text"):
-        yield from _single_document(source, settings)
-        return
-    held_out = 0
-    sink = skipped if skipped is not None else ([] if skip_unreadable else None)
-    for doc, text in enumerate(_documents(source, settings, sink)):
-        is_val = held_out < settings.val_documents and doc % settings.val_every == 0
-        held_out += is_val
-        yield Piece("val" if is_val else "train", doc, 0, True, text)
-
-
-def source_size(source: Source, settings: PrepareSettings) -> int | None:
-    """Bytes of the source's files (for an ETA), None when unknown (a dataset)."""
-    if source.kind in ("text", "jsonl", "parquet"):
-        return Path(source.location).stat().st_size
-    if source.kind == "folder":
-        return sum(p.stat().st_size for p in _listing(source.location, settings.suffixes))
-    if source.kind == "bundled":
-        from adloco.data.sources import bundled_text
-
-        return len(bundled_text(source.location).encode())
-    return None
 
 
 # -- shards -----------------------------------------------------------------------------------------------------
@@ -461,7 +253,7 @@ def _start(settings: PrepareSettings, out: Path, source: Source, console: Any) -
         return manifest
     plan = _plan_tokenizer(settings, source, out, console)
     # chosen once: a resume encodes with the engine the written shards came from
-    engine = choose_engine(plan.type, plan.file, _pieces(source, settings, skip_unreadable=True))
+    engine = choose_engine(plan.type, plan.file, pieces(source, settings, skip_unreadable=True))
     manifest = Manifest(dtype=dtype_for(plan.vocab_size), vocab_size=plan.vocab_size, eot_id=plan.eot_id,
                         tokenizer={**plan.describe(), "encoder": engine}, source=_describe_source(source, settings),
                         settings=settings.identity())  # fmt: skip
@@ -470,13 +262,13 @@ def _start(settings: PrepareSettings, out: Path, source: Source, console: Any) -
 
 
 def _batches(
-    pieces: Iterator[Piece], writers: dict[str, ShardWriter], skipped: Callable[[int], None]
+    reading: Iterator[Piece], writers: dict[str, ShardWriter], skipped: Callable[[int], None]
 ) -> Iterator[list[Piece]]:
     """Pieces grouped into batches of about BATCH_BYTES, leaving out those a resume has written already (their
     size goes to ``skipped``)."""
     batch: list[Piece] = []
     size = 0
-    for piece in pieces:
+    for piece in reading:
         if writers[piece.split].skips(piece) is None:
             skipped(len(piece.text))
             continue
@@ -487,26 +279,6 @@ def _batches(
             batch, size = [], 0
     if batch:
         yield batch
-
-
-def _encoded(batches: Iterator[list[Piece]], encoder_args: tuple, processes: int) -> Iterator[list[tuple]]:
-    """Each batch encoded, in order; with several processes, a bounded number of batches in flight."""
-    if processes == 1:
-        encoder = _Encoder(*encoder_args)
-        for batch in batches:
-            yield encoder.encode(batch)
-        return
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")  # no threads of this process (BPE training) are inherited
-    with ProcessPoolExecutor(processes, mp_context=context, initializer=_start_encoder, initargs=encoder_args) as pool:
-        flight: deque[Future] = deque()
-        for batch in batches:
-            flight.append(pool.submit(_encode_in_process, batch))
-            if len(flight) >= 3 * processes:
-                yield flight.popleft().result()
-        while flight:
-            yield flight.popleft().result()
 
 
 def prepare(settings: PrepareSettings, out: Path, console: Any) -> Manifest:
@@ -542,16 +314,16 @@ def _write(settings: PrepareSettings, out: Path, source: Source, manifest: Manif
     totals = {"bytes": 0, "tokens": 0, "resumed_past": 0}
     tokenizer = manifest.tokenizer
     file = str(out / TOKENIZER_DIR / "tokenizer.json") if tokenizer["dir"] else None
-    engine = tokenizer.get("encoder") or choose_engine(tokenizer["type"], file, _pieces(source, settings, True))
+    engine = tokenizer.get("encoder") or choose_engine(tokenizer["type"], file, pieces(source, settings, True))
     encoder_args = (engine, file, manifest.eot_id, manifest.dtype)
-    pieces = _pieces(source, settings, skipped=skipped)
+    reading = pieces(source, settings, skipped=skipped)
     cpu_before = _cpu_seconds()
     with PrepareProgress(console, source_size(source, settings)) as progress:
 
         def resumed_past(size: int) -> None:
             totals["resumed_past"] += size
 
-        for results in _encoded(_batches(pieces, writers, resumed_past), encoder_args, settings.processes):
+        for results in encode_batches(_batches(reading, writers, resumed_past), encoder_args, settings.processes):
             for piece, ids, size in results:
                 writers[piece.split].add(piece, ids, lambda: write_manifest(out, manifest))
                 totals["bytes"] += size

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from adloco.data.fast_encoding import byte_symbols
+from adloco.data.encoding import byte_symbols
 from adloco.data.hub import looks_local, not_found_offline, offline_message, offline_reason
 from adloco.data.sources import HF_PREFIX, DataError, first_line
+from adloco.data.token_files import check_resumed_tokenizer
 
 if TYPE_CHECKING:
     from adloco.config import DataConfig
@@ -148,6 +149,7 @@ def build_tokenizer(data: DataConfig, training_texts: Iterable[str] | None, save
     if saved is not None:
         if not saved.is_dir():
             raise DataError(f"run has no saved tokenizer ('{saved}'); it cannot resume with the same vocabulary")
+        check_resumed_tokenizer(data.dataset, saved)  # a prepared folder must still hold the run's tokenizer
         return load_pretrained(str(saved), "bpe" if data.tokenizer == "bpe" else "hf")
     if data.tokenizer == "bpe":
         if training_texts is None:

@@ -397,7 +397,13 @@ def _communicator(process_group: Any, device: torch.device) -> Communicator:
         process_group = process_group.get_group()
     if process_group is not None and dist.get_rank(process_group) < 0:
         raise ValueError("this rank is not a member of the process_group given to DiLoCo")
-    return DistributedCommunicator.on_group(process_group, device=device)
+    # Two workers' Δ summed either way round are the same bits (a + b = b + a in floating point, signed zeros
+    # too), so an exchange between two ranks all-reduces instead of all-gathering: the numbers are adloco train's,
+    # and on loopback gloo all-reduces a 3.3 M-parameter Δ in 12 ms against 27 for the all-gather, with fewer
+    # copies around it. With three or more the backend's order of additions is not worker order: those gather.
+    # NCCL keeps the gather (the pair's bits are untested there).
+    pair = dist.get_world_size(process_group) == 2 and dist.get_backend(process_group) == "gloo"
+    return DistributedCommunicator.on_group(process_group, reduce="allreduce" if pair else "gather", device=device)
 
 
 def _check_layout(trainers: int, shards: WorkerShards | None, process_group: Any) -> None:

@@ -73,7 +73,8 @@ def _exchanged(
     mean = [t.to(device) for t in mean]
     width = width or gathered.report_width  # this rank sent no row (another trainer's exchange on a replica)
     rows = dict(gathered.reports)
-    if reported:  # an absent worker's row: its report, then ‖Δ_i‖² = 0
+    if reported and gathered.absent:  # an absent worker's row: its report, then ‖Δ_i‖² = 0
+        # Built only when a worker is absent (a fault-tolerant replica that died), not at every exchange.
         rows = gathered.reports_with_absent(torch.cat([absent_report(width - 1), torch.zeros(1, dtype=torch.float64)]))
     healthy = {w: float(r[-1]) for w, r in rows.items() if (r[0].item() == 0.0 if reported else r[-1].item() > 0.0)}
     reports = {w: r[:-1] for w, r in rows.items()} if reported else {}
@@ -101,7 +102,8 @@ def _deltas(
             local[w] = [torch.zeros_like(t) for t in theta]
         else:
             base = theta if bases is None else [bases[w][i] for i in fragment]
-            local[w] = worker_delta(base, [workers[w].params[i] for i in fragment])
+            params = workers[w].params  # once: a loop's worker builds the list anew at each access
+            local[w] = worker_delta(base, [params[i] for i in fragment])
         drift = torch.tensor([squared_norm(local[w])], dtype=torch.float64)
         rows[w] = drift if reports is None else torch.cat([reports[w].to(drift.device, torch.float64), drift])
         weighted(local[w], weights.get(w, 1.0))

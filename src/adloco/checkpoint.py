@@ -9,7 +9,6 @@ import io
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -19,20 +18,12 @@ import torch
 
 from adloco.algorithms.sharding import UNSHARDED, ShardLayout, recut
 from adloco.errors import CheckpointError, StorageError
+from adloco.runs import CHECKPOINT_NAME, list_checkpoints
+from adloco.runs import checkpoint_round as checkpoint_round  # where callers have always found it
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-# round_<n>.pt: one file written by rank 0; round_<n>/: a sharded checkpoint, one file per rank (DCP)
-_NAME = re.compile(r"^round_(\d{6})(\.pt)?$")
-
-
-def checkpoint_round(path: Path) -> int:
-    """The round a checkpoint file or folder was written after."""
-    match = _NAME.match(path.name)
-    if match is None:
-        raise ValueError(f"'{path.name}' is not a checkpoint name")
-    return int(match.group(1))
 
 
 def write_failure(error: OSError, what: str, path: Path | str) -> StorageError:
@@ -93,7 +84,11 @@ def read_manifest(directory: Path) -> list[dict[str, Any]]:
     except (OSError, ValueError, KeyError, TypeError):
         return []
     # A hand-edited or damaged manifest may hold anything; entries that name no checkpoint file are ignored.
-    return [e for e in entries if isinstance(e, dict) and isinstance(e.get("file"), str) and _NAME.match(e["file"])]
+    return [
+        e
+        for e in entries
+        if isinstance(e, dict) and isinstance(e.get("file"), str) and CHECKPOINT_NAME.match(e["file"])
+    ]
 
 
 def save_checkpoint(directory: Path, round_number: int, state: dict[str, Any], keep: int) -> Path:
@@ -153,13 +148,6 @@ def drop_checkpoints_after(directory: Path, round_number: int) -> None:
             _remove(directory / entry["file"])
         except OSError as error:  # no longer named: an old checkpoint left behind costs only space
             log.warning("could not remove checkpoint %s: %s", entry["file"], error.strerror)
-
-
-def list_checkpoints(directory: Path) -> list[Path]:
-    """Checkpoints in ``directory`` (files and sharded folders), oldest first."""
-    if not directory.is_dir():
-        return []
-    return sorted((p for p in directory.iterdir() if _NAME.match(p.name)), key=lambda p: (checkpoint_round(p), p.name))
 
 
 def _remove(path: Path) -> None:

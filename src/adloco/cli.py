@@ -418,7 +418,7 @@ def _train(args: argparse.Namespace, load_config) -> int:
         config.run.progress = False
     from adloco.preflight import check_inputs
 
-    check_inputs(config)  # before torch is imported: a wrong path or world is said in a second
+    check_inputs(config, run_dir)  # before torch is imported: a wrong path or world is said in a second
     console = Console(stderr=True)
     if config.fault_tolerance.lighthouse is not None:
         return _train_replica(config, run_dir, console, args.verbose)

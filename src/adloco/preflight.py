@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -103,16 +104,33 @@ def check_rank_memory(config: TrainConfig, model: torch.nn.Module, context: int,
     check_memory(estimate, available_memory())
 
 
-def check_inputs(config: TrainConfig) -> None:
-    """What a run's settings name, checked before torch is imported: the ranks the launcher started against the
-    workers and shards, and a language model's data source (``adloco.data.preflight``)."""
+def check_inputs(config: TrainConfig, resume: Path | None = None) -> None:
+    """What a run's settings name, checked before torch is imported: the run directory, the ranks the launcher
+    started against the workers and shards, and a language model's data source (``adloco.data.preflight``)."""
     from adloco.config_sections import PRESETS
     from adloco.data.preflight import check_data
     from adloco.launcher import launched_by_torchrun, world_size_from_env
     from adloco.placement import check_world
 
-    if config.fault_tolerance.lighthouse is None:  # a replica's world is its own (replica_training checks it)
+    if config.fault_tolerance.lighthouse is None:  # a replica's world and run directory are its own
         check_world(config, world_size_from_env(), launched_by_torchrun())
+        check_run_root(config, resume)
     if config.task == "lm":
         preset = PRESETS.get(config.model.preset or "")
         check_data(config.data, config.model.context or (preset[5] if preset else None))
+
+
+def check_run_root(config: TrainConfig, resume: Path | None) -> None:
+    """A run to resume holds a checkpoint; a new one can be made under ``run.root`` (its nearest existing folder
+    is a folder this process may write in)."""
+    from adloco.runs import check_resumable
+
+    if resume is not None:
+        check_resumable(resume)
+        return
+    root = Path(config.run.root)
+    existing = next(p for p in (root, *root.parents) if p.exists() or p == Path(p.anchor or "."))
+    if not existing.is_dir():
+        raise ConfigError(f"run.root '{root}' cannot be made: '{existing}' is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.root '{root}' cannot be made: '{existing}' is not writable")

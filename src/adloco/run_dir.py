@@ -14,7 +14,7 @@ from adloco.comm import Communicator
 from adloco.comm.distributed import job_key, max_restarts
 from adloco.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, resume_config
 from adloco.data.sources import dataset_label
-from adloco.runs import RunLock, lock_run
+from adloco.runs import RunLock, check_resumable, lock_run
 from adloco.tracking import check_trackers
 
 JOBS_DIR = ".jobs"  # under run.root: one pointer file per torchrun job, naming the run directory it trains
@@ -139,8 +139,7 @@ def clear_for_start_over(run_dir: Path) -> None:
 def prepare_run_dir(config: TrainConfig, resume: Path | None, again: Path | None = None) -> RunLock:
     """The run directory, locked for this process: a new one, or ``resume``/``again`` checked first."""
     if resume is not None:
-        if not (resume / "checkpoints").is_dir() or not list_checkpoints(resume / "checkpoints"):
-            raise CheckpointError(f"run directory '{resume}' has no checkpoint to resume from")
+        check_resumable(resume)
         lock = lock_run(resume)  # before anything in it changes
         try:
             _check_writable(resume / "checkpoints")

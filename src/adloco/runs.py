@@ -31,7 +31,30 @@ from adloco.units import short_count
 
 RUNNING_FILE = "RUNNING"
 FAILED_FILE = "FAILED"
-_CHECKPOINT = re.compile(r"^round_(\d+)(\.pt)?$")  # a file, or a sharded checkpoint's folder
+# round_<n>.pt: one file written by rank 0; round_<n>/: a sharded checkpoint, one file per rank (DCP)
+CHECKPOINT_NAME = re.compile(r"^round_(\d{6})(\.pt)?$")
+
+
+def checkpoint_round(path: Path) -> int:
+    """The round a checkpoint file or folder was written after."""
+    match = CHECKPOINT_NAME.match(path.name)
+    if match is None:
+        raise ValueError(f"'{path.name}' is not a checkpoint name")
+    return int(match.group(1))
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoints in ``directory`` (files and sharded folders), oldest first."""
+    if not directory.is_dir():
+        return []
+    found = (p for p in directory.iterdir() if CHECKPOINT_NAME.match(p.name))
+    return sorted(found, key=lambda p: (checkpoint_round(p), p.name))
+
+
+def check_resumable(run_dir: Path) -> None:
+    """CheckpointError unless ``run_dir`` holds a checkpoint to resume from."""
+    if not list_checkpoints(run_dir / "checkpoints"):
+        raise CheckpointError(f"run directory '{run_dir}' has no checkpoint to resume from")
 
 
 def _process_start(pid: int) -> str | None:
@@ -200,10 +223,7 @@ def _alive(marker: dict[str, Any]) -> bool:
 
 
 def _checkpoint_rounds(run_dir: Path) -> list[int]:
-    folder = run_dir / "checkpoints"
-    if not folder.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _CHECKPOINT.match(p.name)))
+    return [checkpoint_round(p) for p in list_checkpoints(run_dir / "checkpoints")]
 
 
 def _modified(run_dir: Path) -> float:

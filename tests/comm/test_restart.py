@@ -15,6 +15,7 @@ from adloco.comm import LocalCommunicator
 from adloco.comm.distributed import job_key
 from adloco.config import ConfigError, build_config
 from adloco.metrics import read_metrics
+from adloco.placement import resolve_device
 from adloco.run_dir import JOBS_DIR, restart_plan
 from adloco.training import train
 from tests.comm.crash_launch import CRASH_AFTER_STEP, CRASH_RANK
@@ -190,6 +191,7 @@ def test_a_restart_with_another_world_size_resumes_only_an_elastic_job(tmp_path,
     first = _train_attempt(job).run_dir  # one rank of two slots: 2 workers
     torchrun_env.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     smaller = build_config(overrides=[*job, "workers=1"])  # a restart that came back with half the worker slots
+    resolve_device(smaller)  # train resolves precision=auto for its device before it asks
     if elastic:
         assert restart_plan(smaller) == ("resume", str(first.resolve()))
     else:

@@ -22,7 +22,8 @@ print("HEAVY", heavy, "CODE", code)
 
 
 def _refused(tmp_path, *overrides: str) -> str:
-    done = subprocess.run([sys.executable, "-c", PROBE, *overrides, f"run.root={tmp_path / 'runs'}"],
+    root = [] if any(o.startswith(("run.root=", "--resume")) for o in overrides) else [f"run.root={tmp_path / 'runs'}"]
+    done = subprocess.run([sys.executable, "-c", PROBE, *overrides, *root],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert "HEAVY [] CODE 2" in done.stdout, (done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
@@ -75,3 +76,14 @@ def test_token_files_shorter_than_a_context_and_what_is_left_to_the_corpus(tmp_p
     (tmp_path / "rows.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
     check_data(build_config(overrides=[f"data.dataset={tmp_path / 'rows.jsonl'}"]).data, 64)  # tokens unknown: ok
     check_data(build_config(overrides=["data.dataset=hf:some/name"]).data, 64)  # the datasets library answers
+
+
+def test_a_run_directory_that_cannot_be_made_or_resumed_is_named_before_torch_loads(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    assert "run.root" in _refused(tmp_path, f"run.root={tmp_path / 'a_file' / 'runs'}")
+    assert f"'{tmp_path / 'a_file'}' is a file" in _refused(tmp_path, f"run.root={tmp_path / 'a_file' / 'runs'}")
+    started = tmp_path / "started"  # a run that died before its first checkpoint
+    (started / "checkpoints").mkdir(parents=True)
+    (started / "config.yaml").write_text(build_config().to_yaml())
+    assert "has no checkpoint to resume from" in _refused(tmp_path, "--resume", str(started))
+    assert "is a file, not a run directory" in _refused(tmp_path, "--resume", str(tmp_path / "a_file"))

@@ -39,7 +39,9 @@ def cases(folder: Path) -> dict[str, list[str]]:
     np.arange(1000, dtype=np.uint16).tofile(folder / "shards" / "a.bin")
     started = folder / "started"  # a run directory whose run stopped before its first checkpoint
     (started / "checkpoints").mkdir(parents=True, exist_ok=True)
-    config = subprocess.run([sys.executable, "-m", "adloco", "train", "--print-config"], capture_output=True, text=True)
+    config = subprocess.run(
+        [sys.executable, "-m", "adloco", "train", "--print-config=all"], capture_output=True, text=True
+    )
     (started / "config.yaml").write_text(config.stdout)
     return {
         "a data file that does not exist": [f"data.dataset={folder / 'nope.txt'}"],

@@ -337,12 +337,19 @@ def test_the_byte_export_loads_with_auto_tokenizer_and_follows_the_umask(tmp_pat
 
 
 def test_print_config_shows_the_resolved_config_and_trains_nothing(tmp_path):
-    result = _adloco("train", "total_tokens=2e4", "method=adloco", "--print-config", cwd=tmp_path)
+    result = _adloco("train", "--print-config=all", "total_tokens=2e4", "method=adloco", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     printed = yaml.safe_load(result.stdout)
     assert printed["total_tokens"] == 20_000 and (printed["trainers"], printed["workers"]) == (1, 4)
     assert printed["batch"]["test"] == "norm" and printed["batch"]["controller"] == "time"
     assert not (tmp_path / "runs").exists()
+    # a bare --print-config is the basic tier, and does not take the override after it as its value
+    basic = _adloco("train", "--print-config", "method=adloco", "batch.eta=0.5", cwd=tmp_path)
+    assert basic.returncode == 0, basic.stderr
+    shown = yaml.safe_load(basic.stdout)
+    assert shown["method"] == "adloco" and shown["outer"] == {"lr": 1.0, "momentum": 0.5}
+    assert "eta" not in shown["batch"] and "comm" not in shown
+    assert basic.stdout.rstrip().endswith("shown; --print-config=all prints every one")
 
 
 def test_quiet_and_verbose(tmp_path, capsys):

@@ -1,7 +1,18 @@
 import pytest
 
 from adloco.checkpoint import CheckpointError
-from adloco.config import RUN_CONFIG_FILE, ConfigError, build_config, load_config, resume_changes, resume_config
+from adloco.config import (
+    RUN_CONFIG_FILE,
+    ConfigError,
+    basic_settings,
+    build_config,
+    count_settings,
+    known_key,
+    load_config,
+    resume_changes,
+    resume_config,
+    setting_tier,
+)
 
 
 def test_defaults_resolve_per_method():
@@ -165,3 +176,18 @@ def test_a_feedback_decay_without_error_feedback_is_refused():
     assert build_config(overrides=["codec.name=topk", "codec.feedback_decay=0.9"]).codec.error_feedback is True
     with pytest.raises(ConfigError, match="feedback_decay"):
         build_config(overrides=["codec.name=int8", "codec.feedback_decay=0.9"])
+
+
+def test_settings_come_in_two_tiers_and_the_basic_one_is_short():
+    basic, total = count_settings()
+    assert 20 <= basic <= 30 and total > 4 * basic  # a short list a new user reads; the rest stays reachable
+    config = build_config(overrides=["method=adloco", "batch.eta=0.5"])
+    shown = basic_settings(config)
+    assert shown["method"] == "adloco" and shown["batch"] == {"size": 3}  # batch.eta is an AdLoCo internal
+    assert shown["outer"] == {"lr": 1.0, "momentum": 0.5}  # resolved per method, not null
+    assert "comm" not in shown and "sync_auto" not in shown  # a section with no basic setting is left out
+    flat = [
+        f"{s}.{k}" if isinstance(v, dict) else s for s, v in shown.items() for k in (v if isinstance(v, dict) else [s])
+    ]
+    assert len(flat) == basic and all(known_key(key) for key in flat)
+    assert setting_tier(type(config.batch), "eta") == "advanced" and setting_tier(type(config), "method") == "basic"

@@ -153,7 +153,11 @@ def _add_train(commands) -> None:
         help="an optional YAML config file followed by overrides such as method=adloco inner.lr=2e-3",
     )
     train.add_argument(
-        "--print-config", action="store_true", help="print the resolved config (every default filled in) and exit"
+        "--print-config",
+        nargs="?",
+        const="basic",
+        choices=["basic", "all"],
+        help="print the resolved basic settings and exit; --print-config=all prints every setting",
     )
     loudness = train.add_mutually_exclusive_group()
     loudness.add_argument("-q", "--quiet", action="store_true", help="no progress; errors and the result only")
@@ -187,7 +191,9 @@ def _check_config_file(name: str, rest: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # A bare --print-config must not take the override after it as its value: it means the basic tier.
+    args = _parser().parse_args(["--print-config=basic" if a == "--print-config" else a for a in argv])
     try:
         return _command(args)
     finally:
@@ -411,8 +417,17 @@ def _train(args: argparse.Namespace, load_config) -> int:
     else:
         run_dir = None
         config = load_config(config_file, overrides)  # before the heavy imports: a typo fails in a second or two
-    if args.print_config:
+    if args.print_config == "all":
         print(config.to_yaml(), end="")
+        return 0
+    if args.print_config == "basic":
+        import yaml
+
+        from adloco.config import basic_settings, count_settings
+
+        basic, total = count_settings()
+        print(yaml.safe_dump(basic_settings(config), sort_keys=False), end="")
+        print(f"# {basic} basic settings of {total} shown; --print-config=all prints every one")
         return 0
     if args.quiet:
         config.run.progress = False

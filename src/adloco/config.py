@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from adloco.algorithms.schedules import validate_schedule
 from adloco.config_input import YAMLInputError, apply_overrides, excerpt, load_yaml
 from adloco.config_sections import (
+    BASIC,
     HF_PREFIX,
     BatchConfig,
     CheckpointConfig,
@@ -86,27 +87,46 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    method: Method = Field("diloco", description="ddp | localsgd | diloco | streaming | adloco.")
+    method: Method = Field(
+        "diloco", description="ddp | localsgd | diloco | streaming | adloco.", json_schema_extra=BASIC
+    )
     task: Literal["lm", "classification"] = Field(
         "lm",
         description="lm: next-token prediction on text; classification: labelled texts (jsonl, csv, tsv, parquet); "
         "see docs/models-and-tasks.md.",
+        json_schema_extra=BASIC,
     )
-    workers: int | None = Field(None, ge=1, description="Workers per trainer at the start (M); default 4.")
+    workers: int | None = Field(
+        None, ge=1, description="Workers per trainer at the start (M); default 4.", json_schema_extra=BASIC
+    )
     trainers: int | None = Field(
-        None, ge=1, description="Model instances (K) of Multi-Instance Training, merged as they go; default 1."
+        None,
+        ge=1,
+        description="Model instances (K) of Multi-Instance Training, merged as they go; default 1.",
+        json_schema_extra=BASIC,
     )
     sync_every: int | Literal["auto"] | None = Field(
         None,
         description="H: inner steps per round (ddp averages gradients every step; H only sets its round length); "
         "'auto' chooses H while training from measured step and exchange times (section sync_auto).",
+        json_schema_extra=BASIC,
     )
-    total_tokens: int = Field(1_536_000, ge=1, description="Training tokens over all workers and trainers.")
+    total_tokens: int = Field(
+        1_536_000, ge=1, description="Training tokens over all workers and trainers.", json_schema_extra=BASIC
+    )
     # Bounded so that every seed derived from it (seed × stride + worker) fits torch's 64-bit generators.
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for init and data order; same seed ⇒ same numbers.")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**32 - 1,
+        description="Seed for init and data order; same seed ⇒ same numbers.",
+        json_schema_extra=BASIC,
+    )
     threads: int | None = Field(None, ge=1, le=4096, description="torch CPU threads (default: torch's choice).")
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="Where workers train: cuda when available (one GPU per rank), else cpu."
+        "auto",
+        description="Where workers train: cuda when available (one GPU per rank), else cpu.",
+        json_schema_extra=BASIC,
     )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto",
@@ -114,12 +134,14 @@ class TrainConfig(BaseModel):
         "outer state, exchanges and evaluation stay float32; runs on CPU and CUDA). fp16 scales each worker's loss "
         "dynamically: an overflowing step is computed again on the same samples with half the scale. auto: bf16 on "
         "a CUDA GPU that has it, fp32 elsewhere (the run's config.yaml records which).",
+        json_schema_extra=BASIC,
     )
     compile: bool = Field(
         False,
         description="torch.compile each training step's forward and backward (a worker group's stacked model, or "
         "each worker's loss). The first steps compile (seconds to minutes); needs a C++ compiler on CPU, Triton "
         "on CUDA, checked at start.",
+        json_schema_extra=BASIC,
     )
     tf32: bool = Field(
         True,
@@ -469,6 +491,39 @@ def resume_config(run_dir: Path, overrides: list[str] | None = None) -> TrainCon
         if "=" in item and not resume_safe(key, elastic):
             raise ConfigError(_unsafe_message(key, elastic))
     return load_config(path, overrides)
+
+
+def setting_tier(model: type[BaseModel], name: str) -> str:
+    """'basic' or 'advanced': the tier a field of a config section is marked with."""
+    extra = model.model_fields[name].json_schema_extra
+    return "basic" if isinstance(extra, dict) and extra.get("tier") == BASIC["tier"] else "advanced"
+
+
+def basic_settings(config: BaseModel) -> dict[str, Any]:
+    """The basic settings of ``config`` as nested sections (what ``--print-config`` shows), values resolved."""
+    dumped = config.model_dump(mode="json")
+    shown: dict[str, Any] = {}
+    for name in type(config).model_fields:
+        value = getattr(config, name)
+        if isinstance(value, BaseModel):
+            section = basic_settings(value)
+            if section:
+                shown[name] = section
+        elif setting_tier(type(config), name) == "basic":
+            shown[name] = dumped[name]
+    return shown
+
+
+def count_settings(model: type[BaseModel] = TrainConfig) -> tuple[int, int]:
+    """(basic, all): how many settings ``model`` has, sections unfolded."""
+    basic = total = 0
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            inner = count_settings(field.annotation)
+            basic, total = basic + inner[0], total + inner[1]
+        else:
+            basic, total = basic + (setting_tier(model, name) == "basic"), total + 1
+    return basic, total
 
 
 def known_key(key: str) -> bool:

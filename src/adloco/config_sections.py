@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from adloco.config_input import excerpt
 
 HF_PREFIX = "hf:"  # names a Hugging Face dataset or tokenizer (hub name or local folder)
+# The tier of a setting: the basic ones (a field's json_schema_extra=BASIC) are what most runs set and what
+# `--print-config` shows; every other one is advanced (`--print-config=all`, the reference pages).
+BASIC: dict[str, Any] = {"tier": "basic"}
 
 
 def _absolute_if_local(value: str | None, keywords: tuple[str, ...] = ()) -> str | None:
@@ -67,14 +70,19 @@ class ModelConfig(_Section):
         description="Preset built offline with random init: LLaMA (tiny, small, medium, llama-125m, "
         "micro-llama-300m, llama-1b) or BERT (tiny-bert, small-bert; classification only). Default: tiny, or "
         "tiny-bert for task=classification.",
+        json_schema_extra=BASIC,
     )
     path: str | None = Field(
         None,
         description="Instead of a preset: a Hugging Face config JSON file (random init) or a checkpoint "
         "directory (config.json + weights; every trainer starts from them).",
+        json_schema_extra=BASIC,
     )
     context: int | None = Field(
-        None, ge=2, description="Sequence length in tokens; default: the preset's context or the model's maximum."
+        None,
+        ge=2,
+        description="Sequence length in tokens; default: the preset's context or the model's maximum.",
+        json_schema_extra=BASIC,
     )
 
     @field_validator("path")
@@ -89,12 +97,14 @@ class DataConfig(_Section):
         description="'tinyshakespeare' (bundled), a UTF-8 text file, a folder of *.txt/*.md files, a .jsonl or "
         ".parquet file, hf:NAME (Hugging Face datasets), or token files: a folder written by adloco prepare, "
         ".bin (nanoGPT, llm.c) or .npy files (a path or a glob). See docs/data.md.",
+        json_schema_extra=BASIC,
     )
     tokenizer: str | None = Field(
         None,
         min_length=1,
         description="'byte' (vocabulary of 256), 'bpe' (byte-level BPE trained on the training split), a local "
         "Hugging Face tokenizer folder, or hf:NAME. Default: a prepared folder's own tokenizer, else 'byte'.",
+        json_schema_extra=BASIC,
     )
     vocab_size: int = Field(512, ge=258, le=1_000_000, description="tokenizer=bpe: vocabulary size to train.")
     bpe_max_chars: int = Field(
@@ -149,10 +159,16 @@ class InnerConfig(_Section):
         "adamw",
         description="adamw, or muon: Muon on the hidden matrices and AdamW on embeddings, head, norms and biases "
         "(MuLoCo). See docs/optimizers.md.",
+        json_schema_extra=BASIC,
     )
-    lr: float = Field(1e-3, gt=0, description="Peak inner learning rate (Muon's too, RMS-matched to AdamW's).")
+    lr: float = Field(
+        1e-3,
+        gt=0,
+        description="Peak inner learning rate (Muon's too, RMS-matched to AdamW's).",
+        json_schema_extra=BASIC,
+    )
     min_lr: float = Field(1e-4, ge=0, description="Learning rate at the end of the cosine decay.")
-    warmup_steps: int = Field(100, ge=0, description="Linear warm-up, in inner steps.")
+    warmup_steps: int = Field(100, ge=0, description="Linear warm-up, in inner steps.", json_schema_extra=BASIC)
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (matrices only; not norms/biases).")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
@@ -169,9 +185,14 @@ class OuterConfig(_Section):
         "pseudo-gradient, betas and eps below); the Python API takes any torch optimizer. See docs/optimizers.md.",
     )
     lr: float | None = Field(
-        None, gt=0, description="Outer learning rate, above 1 allowed (sgd: 1.0 for diloco/adloco; adam: 0.003)."
+        None,
+        gt=0,
+        description="Outer learning rate, above 1 allowed (sgd: 1.0 for diloco/adloco; adam: 0.003).",
+        json_schema_extra=BASIC,
     )
-    momentum: float | None = Field(None, ge=0, lt=1, description="Outer SGD momentum (diloco/adloco: 0.5).")
+    momentum: float | None = Field(
+        None, ge=0, lt=1, description="Outer SGD momentum (diloco/adloco: 0.5).", json_schema_extra=BASIC
+    )
     nesterov: bool | None = Field(None, description="Nesterov outer momentum (diloco/adloco: true).")
     betas: tuple[float, float] = Field((0.9, 0.95), description="optimizer=adam: its beta1, beta2 (each in [0, 1)).")
     eps: float = Field(1e-8, gt=0, description="optimizer=adam: its epsilon.")
@@ -201,7 +222,9 @@ StepSeconds = tuple[float, float] | list[tuple[float, float]]  # one [a, c] for 
 
 
 class BatchConfig(_Section):
-    size: int = Field(3, ge=1, description="Per-worker batch b (samples per inner step) at the start.")
+    size: int = Field(
+        3, ge=1, description="Per-worker batch b (samples per inner step) at the start.", json_schema_extra=BASIC
+    )
     test: Literal["constant", "norm", "inner_product"] | None = Field(
         None, description="Batch-size test; default 'norm' for adloco, 'constant' otherwise."
     )
@@ -318,7 +341,7 @@ class MergeConfig(_Section):
 
 
 class EvalConfig(_Section):
-    every: int = Field(20, ge=1, description="Evaluate θ every this many rounds.")
+    every: int = Field(20, ge=1, description="Evaluate θ every this many rounds.", json_schema_extra=BASIC)
     blocks: int = Field(
         64, ge=1, description="Validation blocks (task=classification: rows) for the periodic evaluation."
     )
@@ -326,7 +349,9 @@ class EvalConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every: int = Field(20, ge=1, description="Write a checkpoint every this many rounds (and at the end).")
+    every: int = Field(
+        20, ge=1, description="Write a checkpoint every this many rounds (and at the end).", json_schema_extra=BASIC
+    )
     every_minutes: float | None = Field(
         None,
         gt=0,
@@ -418,7 +443,10 @@ class FaultToleranceConfig(_Section):
 
 class StreamingConfig(_Section):
     fragments: int | None = Field(
-        None, ge=1, description="P: parameter fragments synced in turn (streaming: 2; other methods: 1)."
+        None,
+        ge=1,
+        description="P: parameter fragments synced in turn (streaming: 2; other methods: 1).",
+        json_schema_extra=BASIC,
     )
     assignment: Literal["strided", "sequential"] = Field(
         "strided", description="Blocks to fragments: strided (block l → l mod P) or contiguous runs."
@@ -439,6 +467,7 @@ class CodecConfig(_Section):
         "none",
         description="Encoding of exchanged pseudo-gradients; none sends float32 through an all-reduce path; topk "
         "sends the largest entries of each chunk (SparseLoCo, docs/streaming-and-codecs.md).",
+        json_schema_extra=BASIC,
     )
     block_size: int = Field(32, ge=1, description="Elements sharing one power-of-two scale (int8, fp8, fp4).")
     error_feedback: bool | None = Field(
@@ -488,8 +517,10 @@ class CommConfig(_Section):
 
 
 class RunConfig(_Section):
-    root: str = Field("runs", description="Folder under which run directories are created.")
-    name: str | None = Field(None, description="Run directory name; default <model>_<dataset>_<UTC time>.")
+    root: str = Field("runs", description="Folder under which run directories are created.", json_schema_extra=BASIC)
+    name: str | None = Field(
+        None, description="Run directory name; default <model>_<dataset>_<UTC time>.", json_schema_extra=BASIC
+    )
 
     @field_validator("name")
     @classmethod
@@ -512,6 +543,7 @@ class RunConfig(_Section):
         ["tensorboard"],
         description="Experiment trackers that receive every metric: tensorboard (<run>/tensorboard), wandb, mlflow, "
         "clearml (pip extras); [] for none. See docs/tracking.md.",
+        json_schema_extra=BASIC,
     )
     project: str = Field("adloco", min_length=1, description="Project / experiment name for wandb, mlflow, clearml.")
     mfu: bool | None = Field(

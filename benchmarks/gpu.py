@@ -214,13 +214,15 @@ def render(result: dict) -> str:
     lines = [
         f"{result['device']}, `{s['preset']}`, context {s['context']}, batch {s['batch']}, {s['precision']}"
         f"{', compiled' if s['compile'] else ''}; {s['steps']} timed steps after {s['warmup']}; the median of "
-        f"{s['repeats']} runs each, taken in turn.",
+        f"{s['repeats']} runs each, taken in turn."
+        + (" No MFU on a CPU: its peak is not measured here." if result["device"] == "CPU" else ""),
         "",
         "| run | tokens/s | × bare loop | MFU | peak memory (MiB) | waiting for data |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
+    nominal = result["device"] == "CPU"  # the MFU path ran against a nominal peak there, not a measured one
     for name, row in result["rows"].items():
-        mfu = "—" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        mfu = "—" if row["mfu"] is None or nominal else f"{row['mfu']:.1%}"
         memory = "—" if row["peak_memory_mib"] is None else f"{row['peak_memory_mib']:,.0f}"
         wait = f"{row['data_wait_share']:.1%}" if "data_wait_share" in row else "—"
         lines.append(f"| {name} | {row['tokens_per_s']:,} | {row['of_bare_loop']:.3f} | {mfu} | {memory} | {wait} |")

@@ -18,3 +18,4 @@ def test_the_quick_mode_runs_every_row_and_renders_the_table():
     assert all(0 < row["mfu"] < 1 for name, row in rows.items() if name != "bare loop")  # against the nominal peak
     table = gpu.render(result)
     assert table.count("\n| ") == len(rows) + 2 and "| adloco ddp, 1 rank |" in table  # with its header
+    assert "No MFU on a CPU" in table and "%" not in table.split("| adloco ddp, 1 rank |")[1].split("|")[2]

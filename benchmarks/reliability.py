@@ -13,7 +13,7 @@ tracebacks.
 
 (b) Kill -9 trials: a small real training run in a subprocess is SIGKILLed at a random moment after its first
 checkpoint, resumed with ``adloco train --resume``, and its final parameters are compared bit for bit with an
-uninterrupted run. ``kill_9_trial`` is shared with tests/test_checkpoint.py.
+uninterrupted run. ``kill_9_trial`` is shared with tests/checkpoint/test_files.py.
 
 Prints a table and writes ``benchmarks/results/reliability.json`` and ``.md``.
 """

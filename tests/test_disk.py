@@ -60,7 +60,7 @@ def _assert_intact_and_resumable(run_dir: Path, capsys, reference: dict[str, tor
     for entry in entries:  # every checkpoint the manifest names is complete
         data = (checkpoints / entry["file"]).read_bytes()
         assert len(data) == entry["bytes"]
-        assert adloco.checkpoint._sha256(data) == entry["sha256"]
+        assert adloco.checkpoint.store.sha256_of(data) == entry["sha256"]
     assert not [p.name for p in checkpoints.iterdir() if ".tmp-" in p.name], "a partial temporary file was left"
     code, err = _cli(["train", "--resume", str(run_dir)], capsys)
     assert code == 0, err
@@ -82,7 +82,7 @@ def test_run_root_under_a_regular_file_stops_before_training(tmp_path, capsys, m
     blocker.write_text("not a folder")
     code, err = _cli(_args(model_path, blocker / "runs"), capsys)
     assert code == 2
-    _assert_one_line(err, "adloco: error: run directory", "cannot be created", "Not a directory")
+    _assert_one_line(err, "adloco: error: run directories cannot be created under run.root", f"'{blocker}' is a file")
 
 
 @contextlib.contextmanager
@@ -111,7 +111,7 @@ def test_read_only_run_root_stops_before_training(tmp_path, capsys, model_path):
             (root / "probe").write_text("x")
         code, err = _cli(_args(model_path, root), capsys)
         assert code == 2
-        _assert_one_line(err, "adloco: error: run directory", "cannot be created")
+        _assert_one_line(err, "adloco: error: run directories cannot be created", f"'{root}' is not writable")
         assert not list(root.iterdir())
 
 
@@ -163,7 +163,7 @@ def test_full_disk_at_a_checkpoint_write(tmp_path, capsys, monkeypatch, model_pa
                 return HalfWritten(path, "w")
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(adloco.checkpoint, "open", fake_open, raising=False)
+    monkeypatch.setattr(adloco.checkpoint.store, "open", fake_open, raising=False)
     code, err = _cli(_args(model_path, tmp_path), capsys)
     assert code == 1
     _assert_one_line(err, "adloco: error: no space left on device while writing checkpoint", "round_000003.pt")
@@ -179,7 +179,7 @@ def test_full_disk_at_the_first_checkpoint_says_to_start_again(tmp_path, capsys,
     def full(*_, **__):
         raise _enospc()
 
-    monkeypatch.setattr(adloco.checkpoint, "atomic_write_bytes", full)
+    monkeypatch.setattr(adloco.checkpoint.files, "atomic_write_bytes", full)
     code, err = _cli(_args(model_path, tmp_path), capsys)
     assert code == 1
     _assert_one_line(err, "no space left on device while writing checkpoint", "round_000001.pt")

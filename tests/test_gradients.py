@@ -11,7 +11,7 @@ import torch
 
 from adloco import build_config, train
 from adloco.checkpoint import list_checkpoints, load_checkpoint
-from adloco.checkpoint_sharded import save_sharded_checkpoint
+from adloco.checkpoint.sharded import save_sharded_checkpoint
 from adloco.cli import main
 from adloco.gradients import analyze, parse_batch_sizes, parse_checkpoint, per_sample_gradients
 from adloco.model import build_model, next_token_loss, preset_config

@@ -14,7 +14,7 @@ from adloco.data.token_files import names_token_files
 if TYPE_CHECKING:
     from adloco.cluster import Cluster
 
-log = logging.getLogger("adloco.cluster")
+log = logging.getLogger(__name__)
 
 
 def state_dict(cluster: Cluster) -> dict | None:

@@ -17,7 +17,7 @@ from adloco.worker_group import WorkerGroup, stacking_blocker
 if TYPE_CHECKING:
     from adloco.config import BatchConfig
 
-log = logging.getLogger("adloco.cluster")
+log = logging.getLogger(__name__)
 
 
 def worker_groups(workers: Mapping[int, Worker], stacked: bool) -> list[WorkerGroup]:

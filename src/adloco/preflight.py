@@ -130,7 +130,6 @@ def check_run_root(config: TrainConfig, resume: Path | None) -> None:
         return
     root = Path(config.run.root)
     existing = next(p for p in (root, *root.parents) if p.exists() or p == Path(p.anchor or "."))
-    if not existing.is_dir():
-        raise ConfigError(f"run.root '{root}' cannot be made: '{existing}' is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"run.root '{root}' cannot be made: '{existing}' is not writable")
+    problem = "a file" if not existing.is_dir() else "" if os.access(existing, os.W_OK | os.X_OK) else "not writable"
+    if problem:
+        raise ConfigError(f"run directories cannot be created under run.root '{root}': '{existing}' is {problem}")

@@ -19,7 +19,7 @@ from adloco.worker import Worker
 if TYPE_CHECKING:
     from adloco.sync import RoundState
 
-log = logging.getLogger("adloco.cluster")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -524,7 +524,7 @@ def _checkpoint(run: RunState, round_number: int) -> None:
     directory, keep = run.run_dir / "checkpoints", run.config.checkpoint.keep
     run_state = {"counters": dict(run.counters), "config": run.config.model_dump()} if run.is_root else {}
     if run.config.checkpoint.format == "sharded":  # collective: every rank writes its own workers
-        from adloco.checkpoint_sharded import save_sharded_checkpoint  # DCP's import costs a second: only here
+        from adloco.checkpoint.sharded import save_sharded_checkpoint  # DCP's import costs a second: only here
 
         part = {"cluster": run.cluster.local_state_dict(), **run_state}
         distributed = isinstance(run.comm, DistributedCommunicator)

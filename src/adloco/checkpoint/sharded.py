@@ -29,7 +29,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from adloco.algorithms.sharding import UNSHARDED, ShardLayout
-from adloco.checkpoint import FORMAT_VERSION, _record, _sha256, read_manifest, recut_checkpoint, write_failure
+from adloco.checkpoint.state import recut_checkpoint
+from adloco.checkpoint.store import FORMAT_VERSION, read_manifest, record_checkpoint, sha256_of, write_failure
 from adloco.errors import CheckpointError, StorageError
 
 _REF = "\x00tensor:"  # marks a tensor's place in a skeleton; no state string starts with a NUL
@@ -124,7 +125,7 @@ def _save_failure(error: CheckpointException, tmp: Path) -> StorageError:
 def _finish(directory: Path, tmp: Path, final: Path, round_index: int, keep: int) -> None:
     """Checksums, the rename that makes the folder a checkpoint, and its manifest entry (rank 0)."""
     try:
-        files = {p.name: _sha256(p.read_bytes()) for p in sorted(tmp.iterdir())}
+        files = {p.name: sha256_of(p.read_bytes()) for p in sorted(tmp.iterdir())}
         size = sum(p.stat().st_size for p in tmp.iterdir())
         if final.exists():  # the same round saved again after a resume
             shutil.rmtree(final)
@@ -136,7 +137,7 @@ def _finish(directory: Path, tmp: Path, final: Path, round_index: int, keep: int
             os.close(handle)
     except OSError as error:
         raise write_failure(error, "checkpoint", final) from None
-    _record(directory, {"file": final.name, "round": round_index, "bytes": size, "files": files}, keep)
+    record_checkpoint(directory, {"file": final.name, "round": round_index, "bytes": size, "files": files}, keep)
 
 
 def load_sharded_checkpoint(
@@ -244,7 +245,7 @@ def _check_files(path: Path) -> None:
     # Every rank checks every file, so all ranks take the same checkpoint (or fall back to the same older one).
     for name, digest in files.items():
         try:
-            if _sha256((path / name).read_bytes()) == digest:
+            if sha256_of((path / name).read_bytes()) == digest:
                 continue
         except FileNotFoundError:
             pass  # missing: damaged, as below

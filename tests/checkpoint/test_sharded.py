@@ -16,7 +16,7 @@ from adloco.checkpoint import (
     recut_checkpoint,
     save_checkpoint,
 )
-from adloco.checkpoint_sharded import save_sharded_checkpoint
+from adloco.checkpoint.sharded import save_sharded_checkpoint
 from adloco.errors import StorageError
 
 
@@ -120,7 +120,7 @@ def test_a_rank_reads_only_the_workers_it_asks_for(tmp_path):
 def test_a_full_disk_during_the_save_is_one_line(tmp_path, monkeypatch):
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from adloco import checkpoint_sharded
+    from adloco.checkpoint import sharded as checkpoint_sharded
 
     def no_space(*args, **kwargs):
         failure = OSError(errno.ENOSPC, "No space left on device")

@@ -368,7 +368,7 @@ class CheckpointConfig(_Section):
 
 
 class SyncAutoConfig(_Section):
-    """``sync_every=auto``: how H is chosen while training (docs/auto-sync.md)."""
+    """``sync_every=auto``: how H is chosen while training (docs/results/auto-sync.md)."""
 
     min: int = Field(5, ge=1, description="Smallest H auto may choose (streaming: a multiple of the fragments).")
     max: int = Field(200, ge=1, description="Largest H auto may choose (streaming: a multiple of the fragments).")
@@ -392,14 +392,15 @@ class SyncAutoConfig(_Section):
         le=4,
         description="How steeply H_d follows the lr: H_d · (peak lr/lr)^lr_power (the lr read as no less than "
         "1/lr_stretch of its peak). 1: H* grows as sqrt(peak/lr); 2: as peak/lr; 0: not at all; below 0 rounds "
-        "shorten as the lr decays (docs/auto-sync.md compares them).",
+        "shorten as the lr decays (docs/results/auto-sync.md compares them).",
     )
     workers_power: float = Field(
         1.0,
         ge=0,
         le=2,
         description="drift_steps is the drift scale of 2 workers; with M workers per trainer the rule uses "
-        "drift_steps · (2/M)^workers_power: more workers, shorter rounds (docs/auto-sync.md). 0: the same for any M.",
+        "drift_steps · (2/M)^workers_power: more workers, shorter rounds (docs/results/auto-sync.md). "
+        "0: the same for any M.",
     )
     max_dispersion: float = Field(
         1.0,

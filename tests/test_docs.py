@@ -1,15 +1,39 @@
 from pathlib import Path
 
 import adloco
-from adloco.docs import configuration_markdown
+from adloco.docs import PAGES, cli_markdown, configuration_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_configuration_page_is_generated_from_the_model():
-    page = (ROOT / "docs" / "configuration.md").read_text()
-    assert page == configuration_markdown(), "docs/configuration.md is stale: run python -m adloco.docs"
+def test_generated_pages_are_fresh():
+    for name, build in PAGES.items():
+        page = (ROOT / "docs" / name).read_text()
+        assert page == build(), f"docs/{name} is stale: run python -m adloco.docs --write"
+
+
+def test_configuration_page_has_a_section_per_config_section_with_bounds():
+    page = configuration_markdown()
     assert "| `batch.eta` |" in page and "| `streaming.overlap` |" in page and "| `codec.name` |" in page
+    for section in ("model", "data", "inner", "outer", "batch", "merge", "streaming", "codec", "run"):
+        assert f"\n## `{section}`\n" in page
+    # every key sits in its own section's table: batch.eta after the batch heading, before the next heading
+    batch = page.split("\n## `batch`\n")[1].split("\n## ")[0]
+    assert "| `batch.eta` |" in batch and "| `codec.name` |" not in batch
+    assert "| `shards` | advanced | int (≥ 1) |" in page  # bounds from the schema
+    assert "[docs/data.md](data.md)" in page  # a page named in a description is a link
+
+
+def test_cli_page_lists_every_command_and_option_of_the_parser():
+    from adloco.cli import _parser
+
+    page = cli_markdown()
+    help_text = _parser().format_help()
+    for command in ("train", "prepare", "eval", "sample", "plot", "runs", "gradients", "estimate", "lighthouse"):
+        assert f"## `adloco {command}`" in page and command in help_text
+    assert "| `--resume RUN_DIR` |" in page and "| `--print-config [basic,all]` |" in page
+    assert "| `--out DIR` | required; " in page and "| `--min-replicas MIN_REPLICAS` |" in page
+    assert "%%" not in page
 
 
 def test_python_api(tmp_path):

@@ -527,7 +527,7 @@ def report() -> str:
         "a loop of your own and fault-tolerant replicas with GPU models (`python benchmarks/cuda_check.py --write` "
         "where there is a GPU; `results/cuda.json`).",
         *_elastic_and_sharding(),
-        "- [fault-tolerance.md](../fault-tolerance.md#what-a-fault-costs-measured): goodput of 3 fault-tolerant "
+        "- [fault-tolerance.md](fault-tolerance.md#what-a-fault-costs-measured): goodput of 3 fault-tolerant "
         "replicas on torchft under a fault a minute against a fault-free run and against torchrun's restart-"
         "and-resume path, recovery time of a restarted replica (`sudo python benchmarks/faults.py --write`; "
         "`results/faults.json`).",

@@ -41,8 +41,8 @@ def _rules(field: Any) -> str:
 
 
 def _linked(text: str) -> str:
-    """``docs/page.md`` in a description becomes a link into the site (pages sit beside this one)."""
-    return re.sub(r"docs/([\w/.-]+?\.md)(#[\w-]+)?", lambda m: f"[{m.group(0)}]({m.group(1)}{m.group(2) or ''})", text)
+    """``docs/page.md`` in a description becomes a link to that page of the site (pages sit beside this one)."""
+    return re.sub(r"docs/([\w/.-]+?\.md)(#[\w-]+)?", lambda m: f"[{m.group(1)}]({m.group(1)}{m.group(2) or ''})", text)
 
 
 def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:

@@ -52,3 +52,31 @@ def test_code_map_in_the_design_notes_is_generated_from_the_tree():
     assert code_map() in page, "docs/design.md's code map is stale: regenerate it with adloco.docs.code_map()"
     for module in ("sync/diloco.py", "sync/ddp.py", "algorithms/flat.py", "comm/base.py"):
         assert module in code_map()
+
+
+def test_the_site_navigation_lists_every_page_and_only_pages_that_exist():
+    import yaml
+
+    site = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+
+    def pages(items):
+        for item in items:
+            value = next(iter(item.values())) if isinstance(item, dict) else item
+            yield from pages(value) if isinstance(value, list) else [value]
+
+    listed = list(pages(site["nav"]))
+    on_disk = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")}
+    assert len(listed) == len(set(listed)) and set(listed) == on_disk
+
+
+def test_the_pages_benchmarks_write_into_exist():
+    """A benchmark that renders its table into a docs page names a page that is there (pages move)."""
+    import re
+
+    named = 0
+    for script in (ROOT / "benchmarks").glob("*.py"):
+        for match in re.finditer(r'ROOT / "docs"((?: / "[^"]+")+)', script.read_text()):
+            parts = re.findall(r'"([^"]+)"', match.group(1))
+            assert (ROOT / "docs").joinpath(*parts).exists(), f"{script.name} writes into docs/{'/'.join(parts)}"
+            named += 1
+    assert named >= 15

@@ -22,6 +22,13 @@ def test_configuration_page_has_a_section_per_config_section_with_bounds():
     assert "| `batch.eta` |" in batch and "| `codec.name` |" not in batch
     assert "| `shards` | advanced | int (≥ 1) |" in page  # bounds from the schema
     assert "[data.md](data.md)" in page and "docs/data.md" not in page  # a page named in a description is a link
+    # what each method fills in for a key left null, read from the config as it resolves
+    methods = page.split("## Defaults per method")[1].split("\n## ")[0]
+    assert "| key | ddp | localsgd | diloco | adloco | streaming |" in methods
+    assert "| `outer.momentum` | 0.0 | 0.0 | 0.5 | 0.5 | 0.5 |" in methods
+    assert "| `batch.controller` | test | test | test | time | test |" in methods
+    assert "| `trainers` | 1 | 1 | 1 | 1 | 1 |" in methods and "| `streaming.overlap` | 0 | 0 | 0 | 0 | 1 |" in methods
+    assert "| `outer.nesterov` | false | false | true | true | true |" in methods
 
 
 def test_cli_page_lists_every_command_and_option_of_the_parser():

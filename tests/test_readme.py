@@ -165,3 +165,33 @@ def test_the_readme_hf_trainer_snippet_names_the_real_integration():
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "use_diloco")
     keywords = {k.arg for k in call.keywords}
     assert keywords <= set(use_diloco.__code__.co_varnames), keywords
+
+
+def test_the_main_keys_table_of_the_getting_started_page_gives_the_schema_defaults():
+    page = (ROOT / "docs" / "default-run.md").read_text(encoding="utf-8")
+    table = page.split("The main keys")[1].split("\n\n")[1]
+    compared = 0
+    for row in table.splitlines()[2:]:
+        keys_cell, defaults_cell = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        method = "streaming" if defaults_cell.endswith("(streaming)") else "diloco"
+        config = build_config(overrides=[f"method={method}"]).model_dump()
+        keys, section = [], ""
+        for key in re.findall(r"`([^`]+)`", keys_cell):
+            key = section + key if key.startswith(".") else key
+            section = key.rsplit(".", 1)[0] if "." in key else ""
+            keys.append(key)
+        defaults = [re.sub(r"\s*\(.*\)$", "", d).strip("` ") for d in defaults_cell.split(", ")]
+        for key, shown in zip(keys, defaults, strict=False):
+            if shown in ("per method",) or "." in shown and not shown[0].isdigit():
+                continue  # said in words, or another key's value
+            value = config
+            for part in key.split("."):
+                value = value[part]
+            if isinstance(value, bool):
+                assert shown == str(value).lower(), (key, shown, value)
+            elif isinstance(value, int | float):
+                assert float(shown.replace(",", "")) == value, (key, shown, value)
+            else:
+                assert shown == str(value), (key, shown, value)
+            compared += 1
+    assert compared >= 25

@@ -84,6 +84,7 @@ def configuration_markdown() -> str:
         "value outside a key's bounds, an unknown key or a key given twice is refused before the run starts, with one",
         "line naming it.",
         "",
+        *_method_defaults(),
         "## Top-level keys",
         "",
         *_TABLE,
@@ -98,6 +99,45 @@ def configuration_markdown() -> str:
             lines += [_linked(" ".join(inspect.cleandoc(doc).split())), ""]
         lines += [*_TABLE, *_rows(field.annotation, f"{name}.")]
     return "\n".join(lines) + "\n"
+
+
+def _flat(values: BaseModel, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for name in type(values).model_fields:
+        value = getattr(values, name)
+        out.update(_flat(value, f"{prefix}{name}.") if isinstance(value, BaseModel) else {f"{prefix}{name}": value})
+    return out
+
+
+def _yaml(value: Any) -> str:
+    """A value as a YAML file or an override writes it: null, true, false."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _method_defaults() -> list[str]:
+    """The keys whose schema default is null, as each method resolves them when nothing else is given."""
+    methods = list(get_args(TrainConfig.model_fields["method"].annotation))
+    resolved = {method: _flat(TrainConfig(method=method)) for method in methods}
+    unset = {key for key, value in _flat(TrainConfig.model_construct()).items() if value is None}
+    rows = [
+        f"| `{key}` | " + " | ".join(_yaml(resolved[m][key]) for m in methods) + " |"
+        for key in resolved[methods[0]]
+        if key in unset and any(resolved[m][key] is not None for m in methods)
+    ]
+    return [
+        "## Defaults per method",
+        "",
+        "The keys shown as null below, as each method fills them in when the run gives nothing else (some also",
+        "depend on other keys, as their meaning says: `merge.policy` with `trainers` > 1, `codec.error_feedback`",
+        "with `codec.name=topk`):",
+        "",
+        "| key | " + " | ".join(methods) + " |",
+        "| --- |" + " --- |" * len(methods),
+        *rows,
+        "",
+    ]
 
 
 def _is_section(annotation: Any) -> bool:

@@ -92,7 +92,7 @@ def method_overrides(method: str, ranks: int) -> list[str]:
         "streaming-fp4": ["method=streaming", fp4, workers],
         # One trainer per rank, merged pairwise every merge.every rounds: the same workers as the others.
         "adloco": ["method=adloco", f"trainers={ranks}", "workers=1"],
-        # The README's gentler norm test (batches grow later), not in the default list.
+        # The gentler norm test of docs/adloco.md (batches grow later), not in the default list.
         "adloco-eta2.5": ["method=adloco", f"trainers={ranks}", "workers=1", "batch.eta=2.5", "batch.ema=0.5"],
     }
     for codec, codec_overrides in CODECS.items():

@@ -87,3 +87,12 @@ def test_the_pages_benchmarks_write_into_exist():
             assert (ROOT / "docs").joinpath(*parts).exists(), f"{script.name} writes into docs/{'/'.join(parts)}"
             named += 1
     assert named >= 15
+
+
+def test_the_api_page_documents_every_exported_name():
+    page = (ROOT / "docs" / "api.md").read_text()
+    documented = {line.split()[1].rsplit(".", 1)[1] for line in page.splitlines() if line.startswith("::: ")}
+    assert documented == set(adloco.__all__) - {"__version__"}
+    for line in (line for line in page.splitlines() if line.startswith("::: ")):
+        module, name = line.split()[1].rsplit(".", 1)
+        assert getattr(__import__(module, fromlist=[name]), name) is getattr(adloco, name), line

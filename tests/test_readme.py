@@ -107,7 +107,9 @@ def test_the_readme_cli_snippet_runs(tmp_path, capsys):
     commands = _commands(README)
     train = shlex.split(next(c for c in commands if c.startswith("adloco train method=adloco")))
     root = tmp_path / "runs"
-    tiny = [*FAST, *PINNED_PACE, f"run.root={root}", "run.name=readme"]
+    corpus = tmp_path / "corpus.txt"  # a small corpus, so that `adloco eval` over its whole split takes a moment
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400)))
+    tiny = [*FAST, *PINNED_PACE, f"data.dataset={corpus}", f"run.root={root}", "run.name=readme"]
     # the README's items, those the test's tiny settings replace left out (a key may be given once)
     replaced = {item.split("=")[0] for item in tiny}
     assert main([*(w for w in train[1:] if w.split("=")[0] not in replaced), *tiny]) == 0

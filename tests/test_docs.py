@@ -1,34 +1,40 @@
 from pathlib import Path
 
 import adloco
-from adloco.docs import PAGES, cli_markdown, configuration_markdown
+from adloco.docs import cli_markdown, configuration_markdown, generated_pages, section_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_generated_pages_are_fresh():
-    for name, build in PAGES.items():
+    pages = generated_pages()
+    for name, text in pages.items():
         page = (ROOT / "docs" / name).read_text()
-        assert page == build(), f"docs/{name} is stale: run python -m adloco.docs --write"
+        assert page == text, f"docs/{name} is stale: run python -m adloco.docs --write"
+    on_disk = {f"configuration/{p.name}" for p in (ROOT / "docs" / "configuration").glob("*.md")}
+    assert on_disk == {name for name in pages if name.startswith("configuration/")}, "a section page is left over"
 
 
-def test_configuration_page_has_a_section_per_config_section_with_bounds():
-    page = configuration_markdown()
-    assert "| `batch.eta` |" in page and "| `streaming.overlap` |" in page and "| `codec.name` |" in page
+def test_the_configuration_reference_has_a_page_per_config_section_with_bounds_and_method_defaults():
+    pages = generated_pages()
     for section in ("model", "data", "inner", "outer", "batch", "merge", "streaming", "codec", "run"):
-        assert f"\n## `{section}`\n" in page
-    # every key sits in its own section's table: batch.eta after the batch heading, before the next heading
-    batch = page.split("\n## `batch`\n")[1].split("\n## ")[0]
-    assert "| `batch.eta` |" in batch and "| `codec.name` |" not in batch
-    assert "| `shards` | advanced | int (≥ 1) |" in page  # bounds from the schema
-    assert "[data.md](data.md)" in page and "docs/data.md" not in page  # a page named in a description is a link
+        assert f"configuration/{section}.md" in pages
+        assert f"| [`{section}`](configuration/{section}.md) | " in pages["configuration.md"]
+    batch = section_markdown("batch")
+    assert "| `batch.eta` |" in batch and "| `codec.name` |" not in batch  # each key on its own section's page
+    assert "| `shards` | advanced | int (≥ 1) |" in configuration_markdown()  # bounds from the schema
+    assert "| `streaming.overlap` | advanced | int \\| None (≥ 0) |" in section_markdown("streaming")  # | escaped
+    assert "[data.md](../data.md)" in section_markdown("data") and "docs/data.md" not in section_markdown("data")
+    assert "[data.md](data.md)" in configuration_markdown()  # the section's note, linked from the first page
     # what each method fills in for a key left null, read from the config as it resolves
-    methods = page.split("## Defaults per method")[1].split("\n## ")[0]
+    methods = configuration_markdown().split("## Defaults per method")[1]
     assert "| key | ddp | localsgd | diloco | adloco | streaming |" in methods
     assert "| `outer.momentum` | 0.0 | 0.0 | 0.5 | 0.5 | 0.5 |" in methods
     assert "| `batch.controller` | test | test | test | time | test |" in methods
     assert "| `trainers` | 1 | 1 | 1 | 1 | 1 |" in methods and "| `streaming.overlap` | 0 | 0 | 0 | 0 | 1 |" in methods
     assert "| `outer.nesterov` | false | false | true | true | true |" in methods
+    assert "| `outer.momentum` | 0.0 | 0.0 | 0.5 | 0.5 | 0.5 |" in section_markdown("outer")
+    assert "Defaults per method" not in section_markdown("eval")  # no table where no key is null
 
 
 def test_cli_page_lists_every_command_and_option_of_the_parser():

@@ -2,7 +2,7 @@
 docs/cli.md from the command line's parser, and the code map in docs/design.md from the module docstrings.
 
 ``python -m adloco.docs`` prints the configuration page, ``python -m adloco.docs cli`` the CLI page, and
-``python -m adloco.docs --write`` writes both into the checkout's docs/ folder."""
+``python -m adloco.docs --write`` writes every generated page (the configuration sections too) into docs/."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ evaluation reaches ``--target``; the time to the target is interpolated between 
 reached the target by then. Each method runs ``--repeats`` times per cell (all methods once, then again), repeat r
 at seed ``--seed`` + r, and the median counts; the methods of ``--once`` (DDP, H = 10) run in the first repeat
 only. Every round is evaluated. Results merge into benchmarks/results/auto_sync.json (``--results``) by cell and
-method; ``--write`` puts the tables into docs/auto-sync.md.
+method; ``--write`` puts the tables into docs/results/auto-sync.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import link
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "auto_sync.json"
-DOC = ROOT / "docs" / "auto-sync.md"
+DOC = ROOT / "docs" / "results" / "auto-sync.md"
 MARKERS = ("<!-- auto-sync:begin -->", "<!-- auto-sync:end -->")
 FIXED_H = (10, 20, 50, 100)
 CODECS = {"fp32": [], "fp4": ["codec.name=fp4-e2m1"]}
@@ -495,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--once", default="ddp,diloco-h10,diloco-fp4-h10", help="methods run in the first repeat only")
     parser.add_argument("--job-timeout", type=float, default=1200.0)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "auto_sync")
-    parser.add_argument("--write", action="store_true", help="put the tables into docs/auto-sync.md")
+    parser.add_argument("--write", action="store_true", help="put the tables into docs/results/auto-sync.md")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the JSON the runs merge into")
     parser.add_argument("extra", nargs="*", help="further overrides for every run")
     args = parser.parse_args(argv)

@@ -4,7 +4,7 @@
     python benchmarks/codecs.py --tokens 200000      # a quicker look
 
 Runs go two at a time with one thread each (a 2-core machine); the table is printed as Markdown and
-written to docs/codecs.md unless --no-write is given.
+written to docs/results/codecs.md unless --no-write is given.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main() -> None:
     )
     print(header + "\n\n" + table)
     if not args.no_write:
-        doc = ROOT / "docs" / "codecs.md"
+        doc = ROOT / "docs" / "results" / "codecs.md"
         doc.write_text("# Codecs on the anchor task\n\n" + header + "\n\n" + table + "\n")
 
 

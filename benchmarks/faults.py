@@ -19,7 +19,7 @@ torchrun job each get a CPU cgroup (0.6 of a core per worker, 1.8 in all on this
 worker had a machine of its own: a dead worker frees no CPU for the others. Goodput is useful tokens per second:
 for the replicas the tokens of committed rounds from the workers that took part in them, for the restart path
 the tokens of its finished run. Writes benchmarks/results/faults.json and, with ``--write``, the table between the
-markers in docs/fault-tolerance.md. Needs root and a CPU cgroup controller (for the quotas).
+markers in docs/results/fault-tolerance.md. Needs root and a CPU cgroup controller (for the quotas).
 
 ``--one-fault N`` answers another question, the final loss after a single fault: N pairs of replica runs, one
 without a fault and one where a random replica is SIGKILLed when the job is half-way through its rounds and
@@ -51,7 +51,7 @@ from link import ROOT, machine, publish
 from slow_rank import cpu_quota
 
 EXAMPLE = ROOT / "examples" / "replica_loop.py"
-DOC = ROOT / "docs" / "fault-tolerance.md"
+DOC = ROOT / "docs" / "results" / "fault-tolerance.md"
 RESULTS = ROOT / "benchmarks" / "results" / "faults.json"
 MARKERS = ("<!-- faults:begin -->", "<!-- faults:end -->")
 ONE_RESULTS = ROOT / "benchmarks" / "results" / "faults_one.json"
@@ -380,7 +380,7 @@ def main() -> int:
     parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between faults (default 60)")
     parser.add_argument("--restart-after", type=float, default=5.0, help="a killed replica's downtime (default 5)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--write", action="store_true", help="put the table into docs/fault-tolerance.md")
+    parser.add_argument("--write", action="store_true", help="put the table into docs/results/fault-tolerance.md")
     parser.add_argument("--one-fault", type=int, default=0, metavar="N",
                         help="instead: N pairs of replica runs without a fault and with one half-way")  # fmt: skip
     parser.add_argument("--start-up", type=int, default=0, metavar="N",

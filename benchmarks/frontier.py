@@ -7,7 +7,7 @@ settings; dense fp32 against fp4 with error feedback and top-k at 1 % and 3 % wi
 
 Every run is 4 workers × batch 3, H = 10 (the defaults), 1.536 M training tokens, one thread, two runs at a
 time. Results go to benchmarks/results/frontier.json (runs already there are kept with --reuse, so the
-benchmark can be run in parts) and, with --write, to docs/frontier.md.
+benchmark can be run in parts) and, with --write, to docs/results/frontier.md.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def table(report: dict[str, Any], corpus: str) -> str:
 
 
 def write_doc(report: dict[str, Any]) -> None:
-    doc = ROOT / "docs" / "frontier.md"
+    doc = ROOT / "docs" / "results" / "frontier.md"
     text = doc.read_text() if doc.exists() else "# The frontier methods, measured\n"
     begin, end = "<!-- frontier: begin -->", "<!-- frontier: end -->"
     body = [begin, f"Measured {describe(report['environment'])}; {report['tokens']:,} training tokens per run.", ""]
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated variant names (default: all)")
     parser.add_argument("--tokens", type=int, default=ANCHOR_TOKENS)
     parser.add_argument("--reuse", action="store_true", help="keep runs already stored for these settings")
-    parser.add_argument("--write", action="store_true", help="write the tables into docs/frontier.md")
+    parser.add_argument("--write", action="store_true", help="write the tables into docs/results/frontier.md")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]

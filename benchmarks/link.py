@@ -19,7 +19,7 @@ soon as a periodic evaluation reaches the target. Time is training time: the run
 evaluations (``eval_seconds`` in metrics.jsonl); every evaluation uses the same validation blocks.
 
 Results go to benchmarks/results/link.json; ``--write`` also puts the Markdown tables into
-docs/link-and-peers.md between the link markers. Needs root, ``ip`` and ``tc``; otherwise the script says why,
+docs/results/link-and-peers.md between the link markers. Needs root, ``ip`` and ``tc``; otherwise the script says why,
 prints "skipped" and exits 0.
 """
 
@@ -46,7 +46,7 @@ from typing import Any
 from adloco.config_input import layered
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "link-and-peers.md"
+DOC = ROOT / "docs" / "results" / "link-and-peers.md"
 RESULTS = ROOT / "benchmarks" / "results" / "link.json"
 BEGIN, END = "<!-- link:begin -->", "<!-- link:end -->"
 DEFAULT_OUT = ROOT / "runs" / "link"
@@ -92,7 +92,7 @@ def method_overrides(method: str, ranks: int) -> list[str]:
         "streaming-fp4": ["method=streaming", fp4, workers],
         # One trainer per rank, merged pairwise every merge.every rounds: the same workers as the others.
         "adloco": ["method=adloco", f"trainers={ranks}", "workers=1"],
-        # The README's gentler norm test (batches grow later), not in the default list.
+        # The gentler norm test of docs/adloco.md (batches grow later), not in the default list.
         "adloco-eta2.5": ["method=adloco", f"trainers={ranks}", "workers=1", "batch.eta=2.5", "batch.ema=0.5"],
     }
     for codec, codec_overrides in CODECS.items():
@@ -775,7 +775,7 @@ def _stopped_runs_head(report: dict[str, Any], links: str) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The section docs/link-and-peers.md shows: provenance, one table per rate, the targets."""
+    """The section docs/results/link-and-peers.md shows: provenance, one table per rate, the targets."""
     head = (
         f"{_provenance(report)} {report['ranks']} ranks × 1 thread, seed {report['seed']}; "
         f"DDP {report['ddp_tokens']:,} tokens, the others up to {report['other_tokens']:,}"
@@ -820,7 +820,7 @@ def latency_checks(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def latency_markdown(report: dict[str, Any]) -> str:
-    """The latency section of docs/link-and-peers.md: one table per (ranks, rate, RTT), then the target."""
+    """The latency section of docs/results/link-and-peers.md: one table per (ranks, rate, RTT), then the target."""
     head = _stopped_runs_head(report, "Every link is the delay line, the ~0 ms rows included.")
     tables = []
     for run in report["runs"]:
@@ -945,7 +945,7 @@ def _corpus_text(report: dict[str, Any]) -> str:
 
 
 def adaptive_markdown(report: dict[str, Any]) -> str:
-    """The AdLoCo section of docs/link-and-peers.md: one table per link and rank count, then the target per run."""
+    """The AdLoCo section of docs/results/link-and-peers.md: a table per link and rank count, then each run's target."""
     delayed = any(run.get("rtt_ms") is not None for run in report["runs"])
     links = "Every link is the delay line." if delayed else "tbf links as above."
     head = _stopped_runs_head(report, links + _corpus_text(report))
@@ -1002,7 +1002,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="run directories and logs")
     parser.add_argument("--json", type=Path, default=RESULTS, help="results file (default benchmarks/results/)")
     parser.add_argument("--write", action="store_true", help="put the tables into --doc between the link markers")
-    parser.add_argument("--doc", type=Path, default=DOC, help="default docs/link-and-peers.md")
+    parser.add_argument("--doc", type=Path, default=DOC, help="default docs/results/link-and-peers.md")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --out, run the rest")
     parser.add_argument(
         "--adaptive",

@@ -15,7 +15,7 @@ but no TensorBoard events (``run.trackers=[]``), as the torchft side logs nothin
 
 Reported: training tokens/s of each (median of the repeats, run alternately), their ratio against the target
 (adloco >= torchft), and how far apart the final parameters are. Results go to
-benchmarks/results/peer_torchft.json; ``--write`` also puts the table into docs/link-and-peers.md between the
+benchmarks/results/peer_torchft.json; ``--write`` also puts the table into docs/results/link-and-peers.md between the
 torchft markers. If torchft cannot be imported the script says why, prints "skipped" and exits 0; a run that
 fails is an error (exit 1).
 """
@@ -47,7 +47,7 @@ from link import machine, publish  # noqa: E402
 from adloco.config_input import layered
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "link-and-peers.md"
+DOC = ROOT / "docs" / "results" / "link-and-peers.md"
 RESULTS = ROOT / "benchmarks" / "results" / "peer_torchft.json"
 BEGIN, END = "<!-- torchft:begin -->", "<!-- torchft:end -->"
 STREAM_SEED_STRIDE = 1_000_003  # adloco.cluster: worker w of seed s reads stream s * stride + w
@@ -255,7 +255,7 @@ def agreement(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[st
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The section docs/link-and-peers.md shows: provenance, the throughput table, agreement and the target."""
+    """The section docs/results/link-and-peers.md shows: provenance, the throughput table, agreement and the target."""
     v, a = report["versions"], report["agreement"]
     tps, median = report["tokens_per_second"], report["median_tokens_per_second"]
     ratio = report["median_ratio"]
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "peer_torchft", help="where the runs go")
     parser.add_argument("--json", type=Path, default=RESULTS, help="results file (default benchmarks/results/)")
     parser.add_argument("--write", action="store_true", help="put the table into --doc between the torchft markers")
-    parser.add_argument("--doc", type=Path, default=DOC, help="default docs/link-and-peers.md")
+    parser.add_argument("--doc", type=Path, default=DOC, help="default docs/results/link-and-peers.md")
     parser.add_argument("--replica", type=int, help=argparse.SUPPRESS)  # internal: run one torchft replica
     parser.add_argument("--lighthouse", help=argparse.SUPPRESS)
     parser.add_argument("extra", nargs="*", help="further adloco overrides for both sides (e.g. model.context=16)")

@@ -1,13 +1,13 @@
 """The benchmark suite: methods side by side on the anchor task and a second corpus, overhead, ablations,
 sensitivity, overlap.
 
-    python benchmarks/suite.py                       # every experiment, then docs/benchmarks.md and its plots
+    python benchmarks/suite.py                       # every experiment, then docs/results/benchmarks.md and its plots
     python benchmarks/suite.py --only anchor,overhead
     python benchmarks/suite.py --only anchor --runs "single worker"   # re-measure one run, keep the others
     python benchmarks/suite.py --report              # rebuild the report from the stored results only
 
 Each experiment stores its figures (with date and versions) in benchmarks/results/<experiment>.json, and the
-report is written from those files, so every number in docs/benchmarks.md comes from a run of this command.
+report is written from those files, so every number in docs/results/benchmarks.md comes from a run of this command.
 Training runs go two at a time with one thread each (a 2-core machine); the overhead measurement runs alone.
 The real-link (network namespaces) and torchft comparisons and the in-process throughput measurement are
 separate scripts: benchmarks/link.py, benchmarks/peer_torchft.py and benchmarks/throughput.py.
@@ -90,7 +90,7 @@ EXPERIMENTS: dict[str, dict[str, list[str]]] = {
         "DiLoCo, eager updates": ["method=diloco", "outer.overlap=eager"],
     },
 }
-# Separate scripts, run by the suite with --write; their tables live in docs/link-and-peers.md.
+# Separate scripts, run by the suite with --write; their tables live in docs/results/link-and-peers.md.
 # Budgets sized so the whole suite fits in about an hour and a half on 2 cores; each script's own defaults go further.
 SCRIPTS = {
     "link": ["link.py", "--tokens", "128000"],
@@ -256,7 +256,7 @@ def _elastic_and_sharding() -> list[str]:
     elastic = _load("elastic")
     if elastic is not None:
         lines.append(
-            "- [distributed.md](distributed.md#a-job-that-changes-size-elastictrue): an elastic torchrun job that "
+            "- [distributed.md](../distributed.md#a-job-that-changes-size-elastictrue): an elastic torchrun job that "
             f"loses an agent resumes with {elastic['workers_after']} workers instead of "
             f"{elastic['workers_before']}, {elastic['seconds_to_resume']:.1f} s after the kill, from round "
             f"{elastic['resumed_from_round']} (`python benchmarks/elastic.py`; `results/elastic.json`)."
@@ -268,7 +268,7 @@ def _elastic_and_sharding() -> list[str]:
         peaks = whole["peak_above_baseline_mib"]
         ratios = [p / peaks[r // 2] for r, p in enumerate(split["peak_above_baseline_mib"])]
         lines.append(
-            "- [distributed.md](distributed.md#memory-per-rank): sharded workers (`shards=2`) against unsharded "
+            "- [distributed.md](../distributed.md#memory-per-rank): sharded workers (`shards=2`) against unsharded "
             f"ones, 2 workers of the `{sharding['preset']}` preset: "
             f"{split['wire_bytes_per_round'][0] / 1e6:.1f} MB per rank per round against "
             f"{whole['wire_bytes_per_round'][0] / 1e6:.1f} MB, {min(ratios):.2f} to {max(ratios):.2f}× the peak "
@@ -421,8 +421,8 @@ def _plots(anchor: dict) -> list[str]:
     batch_png = IMAGES / "anchor-adloco-batch.png"
     _batch_plot(plt, runs["AdLoCo"], batch_png)
     return [
-        f"![val loss vs tokens, wall-clock, synchronisations and bytes](images/benchmarks/{loss_png.name})",
-        f"![AdLoCo batch size and inner lr factor per trainer](images/benchmarks/{batch_png.name})",
+        f"![val loss vs tokens, wall-clock, synchronisations and bytes](../images/benchmarks/{loss_png.name})",
+        f"![AdLoCo batch size and inner lr factor per trainer](../images/benchmarks/{batch_png.name})",
     ]
 
 
@@ -521,9 +521,9 @@ def report() -> str:
         "- [link-and-peers.md](link-and-peers.md): time to DDP's final loss over 100 Mbit/s and 1 Gbit/s links "
         "between network namespaces (`link`), and throughput against torchft's DiLoCo (`torchft`); their targets "
         "are in the table above.",
-        "- [estimate.md](estimate.md): `adloco estimate` against measured rounds (`python benchmarks/estimate.py`).",
-        "- [reliability.md](reliability.md): fuzzed input and kill -9 trials (`python benchmarks/reliability.py`).",
-        "- [gpu.md](gpu.md): every method on one CUDA GPU against the CPU, the b_max probe under CUDA memory, NCCL, "
+        "- [estimate.md](../estimate.md): `adloco estimate` against measured rounds (`python benchmarks/estimate.py`).",
+        "- [reliability.md](../reliability.md): fuzzed input and kill -9 trials (`python benchmarks/reliability.py`).",
+        "- [gpu.md](../gpu.md): every method on one CUDA GPU against the CPU, the b_max probe under CUDA memory, NCCL, "
         "a loop of your own and fault-tolerant replicas with GPU models (`python benchmarks/cuda_check.py --write` "
         "where there is a GPU; `results/cuda.json`).",
         *_elastic_and_sharding(),
@@ -531,10 +531,10 @@ def report() -> str:
         "replicas on torchft under a fault a minute against a fault-free run and against torchrun's restart-"
         "and-resume path, recovery time of a restarted replica (`sudo python benchmarks/faults.py --write`; "
         "`results/faults.json`).",
-        "- [own-loop.md](own-loop.md#what-it-costs-and-gives): a plain PyTorch loop with `adloco.DiLoCo` "
+        "- [own-loop.md](../own-loop.md#what-it-costs-and-gives): a plain PyTorch loop with `adloco.DiLoCo` "
         "against the same loop under torch DDP, and with AdLoCo's adaptive batch (`python "
         "benchmarks/own_loop.py --write`; `results/own_loop.json`).",
-        "- [own-loop.md](own-loop.md#a-worker-over-several-ranks-fsdp2): a user's loop whose workers are "
+        "- [own-loop.md](../own-loop.md#a-worker-over-several-ranks-fsdp2): a user's loop whose workers are "
         "sharded with FSDP2 over 2 ranks against one rank per worker: 0.50× the bytes per rank per round, "
         "0.73× the peak memory above the process floor, the same loss to four decimals (`python "
         "benchmarks/sharded_loop.py --write`; `results/sharded_loop.json`).",
@@ -542,7 +542,7 @@ def report() -> str:
         "to 100 over real links, time to a target loss over three seeds (`sudo python benchmarks/auto_sync.py`; "
         "`results/auto_sync.json`), and other shapes of H over a run priced from those links (`python "
         "benchmarks/sync_schedules.py --write`; `results/sync_schedules.json`).",
-        "- [reproduction.md](reproduction.md): the paper's claims against these measurements.",
+        "- [reproduction.md](../reproduction.md): the paper's claims against these measurements.",
         "",
     ]
     return "\n".join(out)
@@ -555,7 +555,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="overhead: repeats (median)")
     parser.add_argument("--steps", type=int, default=300, help="overhead: timed steps per repeat")
     parser.add_argument("--runs", help="comma-separated run labels of one experiment to re-measure, keeping the rest")
-    parser.add_argument("--report", action="store_true", help="only rebuild docs/benchmarks.md from stored results")
+    parser.add_argument(
+        "--report", action="store_true", help="only rebuild docs/results/benchmarks.md from stored results"
+    )
     args = parser.parse_args()
     only_runs = args.runs.split(",") if args.runs else None
     if not args.report:
@@ -575,7 +577,7 @@ def main() -> None:
             else:
                 result = run_experiment(name, args.tokens, only_runs)
             (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (ROOT / "docs" / "benchmarks.md").write_text(report() + "\n")
+    (ROOT / "docs" / "results" / "benchmarks.md").write_text(report() + "\n")
     print(f"wrote {ROOT / 'docs' / 'benchmarks.md'}")
 
 

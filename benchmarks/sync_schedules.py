@@ -19,7 +19,7 @@ so its H path is the config's alone; the schedules differ in ``sync_auto.lr_powe
 - ``h20``, ``h50`` and ``h100``: fixed H.
 
 Every run is stopped at the target. Writes benchmarks/results/sync_schedules.json and, with ``--write``, the
-table between its markers in docs/auto-sync.md.
+table between its markers in docs/results/auto-sync.md.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from auto_sync import RESULTS as LINK_RESULTS
 from auto_sync import interpolated_time, median_time
 
 ROOT = link.ROOT
-DOC = ROOT / "docs" / "auto-sync.md"
+DOC = ROOT / "docs" / "results" / "auto-sync.md"
 RESULTS = ROOT / "benchmarks" / "results" / "sync_schedules.json"
 MARKERS = ("<!-- sync-schedules:begin -->", "<!-- sync-schedules:end -->")
 SCHEDULES = {
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", default="rule,steeper,steepest,shrinking,h50,h100")
     parser.add_argument("--link-results", type=Path, default=LINK_RESULTS)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "sync_schedules")
-    parser.add_argument("--write", action="store_true", help="put the table into docs/auto-sync.md")
+    parser.add_argument("--write", action="store_true", help="put the table into docs/results/auto-sync.md")
     parser.add_argument("--render", action="store_true", help="only render the stored results")
     args = parser.parse_args(argv)
     try:

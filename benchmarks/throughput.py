@@ -24,7 +24,7 @@ from link import publish
 
 RESULTS = ROOT / "benchmarks" / "results" / "throughput.json"
 IMAGE = ROOT / "docs" / "images" / "benchmarks" / "throughput.png"
-DOC = ROOT / "docs" / "throughput.md"
+DOC = ROOT / "docs" / "results" / "throughput.md"
 BEGIN, END = "<!-- throughput:begin -->", "<!-- throughput:end -->"
 THREADS = ["threads=2"]
 QUIET = [
@@ -107,7 +107,7 @@ def _median(values: list[float]) -> float:
 
 
 def markdown(result: dict) -> list[str]:
-    """The section of docs/benchmarks.md."""
+    """The section of docs/results/benchmarks.md."""
     lines = [
         "## Throughput: many workers in one process",
         "",
@@ -127,7 +127,7 @@ def markdown(result: dict) -> list[str]:
             f"| {cell} | {single:,.0f} | {alone:,.0f} | {stacked:,.0f} | **{stacked / single:.2f}** ({mark}) "
             f"| {stacked / alone:.2f} |"
         )
-    lines += ["", f"![tokens/s against worker count](images/benchmarks/{IMAGE.name})", ""]
+    lines += ["", f"![tokens/s against worker count](../images/benchmarks/{IMAGE.name})", ""]
     default = result.get("default_run")
     if default:
         alone, stacked = _median(default["seconds"]["one by one"]), _median(default["seconds"]["stacked"])

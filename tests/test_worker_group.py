@@ -13,7 +13,7 @@ from adloco.stacked import StackedLlama, unsupported_reason
 from adloco.worker import Worker
 from adloco.worker_group import WorkerGroup, stacking_blocker
 
-# The promise of docs/throughput.md: each worker's numbers equal its one-by-one numbers within this tolerance
+# The promise of docs/results/throughput.md: each worker's numbers equal its one-by-one numbers within this tolerance
 # (on the CPUs we ran, they were bit-identical).
 RTOL, ATOL = 1e-5, 1e-7
 CONTEXT = 16

@@ -152,7 +152,7 @@ class TrainConfig(BaseModel):
         True,
         description="Run the workers a rank hosts as one stacked computation (one forward, backward and AdamW "
         "update for all) where they can: LLaMA language models, same micro-batches. Each worker's numbers equal "
-        "the one-by-one path's within float rounding (docs/throughput.md); false: one worker at a time.",
+        "the one-by-one path's within float rounding (docs/results/throughput.md); false: one worker at a time.",
     )
     slots_per_rank: int | None = Field(
         None, ge=1, description="Worker slots per rank under torchrun; default: all workers spread evenly."

@@ -62,6 +62,9 @@ BERT_PRESETS: dict[str, tuple[int, int, int, int, int]] = {
 
 
 class ModelConfig(_Section):
+    """The model: a preset built offline with random init, or a Hugging Face config or checkpoint
+    (docs/models-and-tasks.md)."""
+
     preset: (
         Literal["tiny", "small", "medium", "llama-125m", "micro-llama-300m", "llama-1b", "tiny-bert", "small-bert"]
         | None
@@ -92,6 +95,8 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
+    """The corpus and its tokenizer: the bundled text, files, datasets or prepared token files (docs/data.md)."""
+
     dataset: str = Field(
         "tinyshakespeare",
         description="'tinyshakespeare' (bundled), a UTF-8 text file, a folder of *.txt/*.md files, a .jsonl or "
@@ -155,6 +160,8 @@ class DataConfig(_Section):
 
 
 class InnerConfig(_Section):
+    """Each worker's own optimizer between exchanges (AdamW or Muon) and its learning-rate schedule."""
+
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw",
         description="adamw, or muon: Muon on the hidden matrices and AdamW on embeddings, head, norms and biases "
@@ -179,6 +186,8 @@ class InnerConfig(_Section):
 
 
 class OuterConfig(_Section):
+    """The outer step that applies the averaged pseudo-gradient to θ at every round's end (docs/optimizers.md)."""
+
     optimizer: Literal["sgd", "adam"] = Field(
         "sgd",
         description="The outer step: 'sgd' (with momentum and Nesterov as set) or 'adam' (torch Adam on the "
@@ -222,6 +231,9 @@ StepSeconds = tuple[float, float] | list[tuple[float, float]]  # one [a, c] for 
 
 
 class BatchConfig(_Section):
+    """The per-worker batch, and for AdLoCo how it adapts: the batch test, the time-aware controller and
+    switch mode (docs/batch-size.md)."""
+
     size: int = Field(
         3, ge=1, description="Per-worker batch b (samples per inner step) at the start.", json_schema_extra=BASIC
     )
@@ -328,6 +340,8 @@ class BatchConfig(_Section):
 
 
 class MergeConfig(_Section):
+    """How AdLoCo's trainers merge when there are several (``trainers`` > 1)."""
+
     policy: Literal["off", "b_req", "pairwise_reference"] | None = Field(
         None, description="Merge policy for multi-instance training; default 'b_req' for adloco."
     )
@@ -341,6 +355,8 @@ class MergeConfig(_Section):
 
 
 class EvalConfig(_Section):
+    """Periodic and final evaluation on the validation split."""
+
     every: int = Field(20, ge=1, description="Evaluate θ every this many rounds.", json_schema_extra=BASIC)
     blocks: int = Field(
         64, ge=1, description="Validation blocks (task=classification: rows) for the periodic evaluation."
@@ -349,6 +365,8 @@ class EvalConfig(_Section):
 
 
 class CheckpointConfig(_Section):
+    """How often checkpoints are written, how many are kept and in which layout."""
+
     every: int = Field(
         20, ge=1, description="Write a checkpoint every this many rounds (and at the end).", json_schema_extra=BASIC
     )
@@ -368,7 +386,7 @@ class CheckpointConfig(_Section):
 
 
 class SyncAutoConfig(_Section):
-    """``sync_every=auto``: how H is chosen while training (docs/auto-sync.md)."""
+    """``sync_every=auto``: how H is chosen while training (docs/results/auto-sync.md)."""
 
     min: int = Field(5, ge=1, description="Smallest H auto may choose (streaming: a multiple of the fragments).")
     max: int = Field(200, ge=1, description="Largest H auto may choose (streaming: a multiple of the fragments).")
@@ -392,14 +410,15 @@ class SyncAutoConfig(_Section):
         le=4,
         description="How steeply H_d follows the lr: H_d · (peak lr/lr)^lr_power (the lr read as no less than "
         "1/lr_stretch of its peak). 1: H* grows as sqrt(peak/lr); 2: as peak/lr; 0: not at all; below 0 rounds "
-        "shorten as the lr decays (docs/auto-sync.md compares them).",
+        "shorten as the lr decays (docs/results/auto-sync.md compares them).",
     )
     workers_power: float = Field(
         1.0,
         ge=0,
         le=2,
         description="drift_steps is the drift scale of 2 workers; with M workers per trainer the rule uses "
-        "drift_steps · (2/M)^workers_power: more workers, shorter rounds (docs/auto-sync.md). 0: the same for any M.",
+        "drift_steps · (2/M)^workers_power: more workers, shorter rounds (docs/results/auto-sync.md). "
+        "0: the same for any M.",
     )
     max_dispersion: float = Field(
         1.0,
@@ -442,6 +461,8 @@ class FaultToleranceConfig(_Section):
 
 
 class StreamingConfig(_Section):
+    """Streaming DiLoCo: fragments, their overlap with computation and their mixing (docs/streaming-and-codecs.md)."""
+
     fragments: int | None = Field(
         None,
         ge=1,
@@ -463,6 +484,8 @@ class StreamingConfig(_Section):
 
 
 class CodecConfig(_Section):
+    """How pseudo-gradients are encoded before they travel: quantized or sparse, with optional error feedback."""
+
     name: Literal["none", "fp32", "bf16", "fp16", "int8", "fp8-e4m3", "fp4-e2m1", "fp4-e3m0", "topk"] = Field(
         "none",
         description="Encoding of exchanged pseudo-gradients; none sends float32 through an all-reduce path; topk "
@@ -501,6 +524,8 @@ class CodecConfig(_Section):
 
 
 class CommConfig(_Section):
+    """The transport between ranks: backend, timeouts and the reduction."""
+
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend under torchrun: NCCL with CUDA, else gloo."
     )
@@ -517,6 +542,8 @@ class CommConfig(_Section):
 
 
 class RunConfig(_Section):
+    """Where and how a run is written and reported: its directory, progress, plots and trackers."""
+
     root: str = Field("runs", description="Folder under which run directories are created.", json_schema_extra=BASIC)
     name: str | None = Field(
         None, description="Run directory name; default <model>_<dataset>_<UTC time>.", json_schema_extra=BASIC

@@ -2,7 +2,7 @@
 
 One forward and backward serve W workers: every linear layer is a batched matmul over the worker dimension, and
 attention runs over (worker × sample) rows. Each worker's loss and gradient depend only on its own slice, so the
-numbers are those of W separate models up to float rounding (the kernels differ; see docs/throughput.md).
+numbers are those of W separate models up to float rounding (the kernels differ; see docs/results/throughput.md).
 """
 
 from __future__ import annotations

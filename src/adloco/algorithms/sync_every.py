@@ -1,5 +1,5 @@
 """``sync_every=auto``: H, the inner steps per round, chosen while training from what a round costs and how far
-the workers drift apart (docs/auto-sync.md derives the rule and says what it was calibrated on).
+the workers drift apart (docs/results/auto-sync.md derives the rule and says what it was calibrated on).
 
 Cost model. A round of H inner steps takes H·t + c seconds: t the compute seconds per inner step of the busiest
 rank, c the exposed exchange seconds of a round (wall time not spent computing). Drifting apart for longer loses
@@ -33,7 +33,7 @@ from typing import Any
 
 FOLLOW = 0.5  # weight of the newest round in the running means of t and c (as the time-aware controller's)
 MAX_LR_STRETCH = 20.0  # the lr is read as no less than 1/this of its peak (sync_auto.lr_stretch)
-REFERENCE_WORKERS = 2  # sync_auto.drift_steps is the drift scale of this many workers (docs/auto-sync.md)
+REFERENCE_WORKERS = 2  # sync_auto.drift_steps is the drift scale of this many workers (docs/results/auto-sync.md)
 
 
 def best_sync_every(step_seconds: float, exchange_seconds: float, drift_steps: float) -> float:

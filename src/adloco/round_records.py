@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -13,19 +12,6 @@ from adloco.algorithms.flops import utilisation
 from adloco.cluster import MergeEvent, RoundReport
 from adloco.metrics import memory_snapshot
 from adloco.run_state import RoundPlan, RunState
-
-
-@dataclass
-class PendingRound:
-    """A round's record, waiting for every rank's traffic figures: gathered without blocking any rank, so a
-    round costs its own exchanges and nothing more, and written at the next round's end (or before a
-    checkpoint, whose byte count includes the round)."""
-
-    traffic: torch.futures.Future
-    step_records: list[dict]
-    record: dict
-    merge: MergeEvent | None
-
 
 _TRAFFIC = ("bytes_sent", "wire_bytes", "seconds", "exchanges", "wait_seconds")
 _MEMORY = ("rss_mib", "peak_rss_mib", "cuda_allocated_mib", "cuda_peak_allocated_mib", "cuda_reserved_mib")

@@ -1,23 +1,32 @@
-"""What the parts of a run's round loop share: the run's state and a round's plan before it runs."""
+"""What the parts of a run's round loop share: the run's state, a round's plan before it runs and its record
+waiting for every rank's figures after."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from adloco.algorithms.schedules import inner_lr
-from adloco.cluster import Cluster
+from adloco.cluster import Cluster, MergeEvent
 from adloco.comm import Communicator
 from adloco.config import TrainConfig
 from adloco.metrics import MetricsWriter
 from adloco.tasks import Task
 
-if TYPE_CHECKING:
-    from adloco.round_records import PendingRound
+
+@dataclass
+class PendingRound:
+    """A round's record, waiting for every rank's traffic figures: gathered without blocking any rank, so a
+    round costs its own exchanges and nothing more, and written at the next round's end (or before a
+    checkpoint, whose byte count includes the round)."""
+
+    traffic: torch.futures.Future
+    step_records: list[dict]
+    record: dict
+    merge: MergeEvent | None
 
 
 @dataclass

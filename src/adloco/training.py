@@ -49,7 +49,7 @@ from adloco.metrics import MetricsWriter, RunDisplay, job_peak_flops
 from adloco.model import flops_per_token_of
 from adloco.placement import check_world, elastic_size, hosted_workers, resolve_device
 from adloco.preflight import check_rank_memory
-from adloco.round_records import PendingRound, advance, gather_round_figures, round_record, settle
+from adloco.round_records import advance, gather_round_figures, round_record, settle
 from adloco.run_dir import (
     agree_on_restart,
     attach_log_file,
@@ -57,7 +57,7 @@ from adloco.run_dir import (
     newest_checkpoint,
     write_run_config,
 )
-from adloco.run_state import RoundPlan, RunState
+from adloco.run_state import PendingRound, RoundPlan, RunState
 from adloco.runs import RunLock
 from adloco.stopping import Interrupted, Stopped, StopSignals
 from adloco.sync.rounds import BoundaryRequest

@@ -321,6 +321,11 @@ class DiLoCo(LoopState):
             return
         if len(self._state.local[self.rank].steps) > self.round_step:  # a last step a loss scaler skipped
             self._after_step()
+        if self.inner_step == 0:  # θ is the untrained start: setting the model to it would undo the loop's work
+            raise RuntimeError(
+                "no round ran: enter `with diloco:` or call `diloco.step()` after each optimizer.step(); finish() "
+                "would set the model to the untrained θ"
+            )
         self._finishing = True
         if self.round_step > 0:
             self._end_round()

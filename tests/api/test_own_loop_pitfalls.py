@@ -1,10 +1,28 @@
 """What a new user's own loop trips on, each refused or warned about in one line (issue 53, part 5): in one
 process where ranks do not matter, on two gloo ranks (tests/api/pitfalls_loop.py) where they do."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from adloco import DiLoCo
+from tests.comm.test_distributed import _env, _free_port
+
+SCRIPT = Path(__file__).with_name("pitfalls_loop.py")
+
+
+def _two_ranks(tmp_path: Path, scenario: str, env: dict | None = None) -> list[dict]:
+    """What each of two torchrun ranks saw running ``scenario`` of pitfalls_loop.py."""
+    out = tmp_path / scenario
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={_free_port()}", str(SCRIPT), str(out), scenario]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=240, env=env or _env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -32,3 +50,15 @@ def test_finish_without_a_round_is_refused_instead_of_undoing_the_training():
     with pytest.raises(RuntimeError, match=r"no round ran: enter `with diloco:` or call `diloco.step\(\)`"):
         diloco.finish()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), trained, strict=True))
+
+
+@pytest.mark.parametrize("scenario", ["ddp-given", "ddp-around"])
+def test_a_model_still_in_ddp_trains_as_diloco_with_a_line_saying_so(tmp_path, scenario):
+    """Given in DistributedDataParallel, or with the wrapper left around it and the loop calling the wrapper: DDP
+    would average every step's gradients (the workers one model, another algorithm); DiLoCo turns that off on the
+    wrapper and says so, so mid-round the ranks' models differ and at the round's end they are θ."""
+    for rank in _two_ranks(tmp_path, scenario):
+        assert "error" not in rank, rank["error"]
+        assert rank["apart_mid_round"] and rank["alike_at_the_end"]
+        said = [w for w in rank["warnings"] if "DistributedDataParallel" in w]
+        assert len(said) == 1 and "keeps each rank's own" in said[0]

@@ -26,6 +26,7 @@ from adloco.api.worker import LoopWorker, WorkerShards, finite, gradient_divisor
 from adloco.batch.policy import TrainerBatch
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.config import ConfigError, TrainConfig, build_config
+from adloco.integrations.ddp import local_model
 from adloco.placement import placement
 from adloco.sync import (
     RoundState,
@@ -98,6 +99,7 @@ class DiLoCo(LoopState):
         fault_tolerance: dict[str, Any] | None = None,
         state: dict[str, Any] | None = None,
     ) -> None:
+        model = local_model(model, _world_size(process_group, fault_tolerance))
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         _check_optimizer(optimizer, self.params)
@@ -437,6 +439,15 @@ def _replica_settings(
     replicas = sections["fault_tolerance"].get("replicas")
     world = replicas if isinstance(replicas, int) and replicas > 0 else 1
     return loop_settings(method, sync_every, world, sections, trainers)
+
+
+def _world_size(process_group: Any, fault_tolerance: dict[str, Any] | None) -> int:
+    """The ranks this process trains among under torch.distributed (a replica's peers are not its ranks)."""
+    import torch.distributed as dist
+
+    if fault_tolerance is not None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
 
 
 def _global_rank() -> int:

@@ -1,0 +1,100 @@
+"""Two torchrun ranks running a tiny loop the way a new user might, one scenario per launch (issue 53, part 5).
+
+Run by tests/api/test_own_loop_pitfalls.py: ``python -m torch.distributed.run --nproc_per_node=2 ...
+pitfalls_loop.py OUT SCENARIO``. Each rank writes what it saw (its error's text, the warnings, whether the ranks'
+models agreed) as JSON into ``OUT.rank<r>.json``; an error adloco raised is a result, not a failure.
+"""
+
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from adloco import DiLoCo, end_process_group
+
+H = 4
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _loss(model: torch.nn.Module, step: int, rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * rank + step)  # each rank its own data
+    x = torch.randn(8, 4, generator=generator)
+    return torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin())
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, rank: int) -> None:
+    for step in range(steps):
+        _loss(model, step, rank).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _alike(model: torch.nn.Module) -> bool:
+    """Whether every rank's model holds the same bits."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(gathered[0], g) for g in gathered)
+
+
+def ddp(rank: int, around: bool) -> dict[str, Any]:
+    """The model still in DistributedDataParallel: given to DiLoCo in it, or with the wrapper left around it."""
+    model = _model()
+    wrapper = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = DiLoCo(model if around else wrapper, optimizer, sync_every=H)
+    with diloco:
+        _train(wrapper, optimizer, H // 2, rank)  # the loop calls the wrapper, as it did under DDP
+        apart = not _alike(model)  # mid-round each worker is its own
+        _train(wrapper, optimizer, H // 2, rank)
+    diloco.finish()
+    return {"apart_mid_round": apart, "alike_at_the_end": _alike(model)}
+
+
+def uneven(rank: int, steps: list[int]) -> dict[str, Any]:
+    """Ranks that take different numbers of optimizer steps (an uneven last batch)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with DiLoCo(model, optimizer, sync_every=H) as diloco:
+        _train(model, optimizer, steps[rank], rank)
+    diloco.finish()
+    return {}
+
+
+def main(out: str, scenario: str) -> None:
+    torch.set_num_threads(1)
+    if scenario != "no-group":
+        dist.init_process_group("gloo")
+    rank = int(__import__("os").environ["RANK"])
+    found: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if scenario == "ddp-given":
+                found = ddp(rank, around=False)
+            elif scenario == "ddp-around":
+                found = ddp(rank, around=True)
+            elif scenario == "no-group":
+                model = _model()
+                DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=H)
+            elif scenario.startswith("uneven-"):
+                found = uneven(rank, [int(n) for n in scenario.split("-")[1:]])
+            else:
+                raise SystemExit(f"unknown scenario {scenario}")
+        except (RuntimeError, ValueError) as error:
+            found["error"] = str(error)
+    found["warnings"] = [str(w.message) for w in caught]
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(found))
+    end_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -62,3 +62,10 @@ def test_a_model_still_in_ddp_trains_as_diloco_with_a_line_saying_so(tmp_path, s
         assert rank["apart_mid_round"] and rank["alike_at_the_end"]
         said = [w for w in rank["warnings"] if "DistributedDataParallel" in w]
         assert len(said) == 1 and "keeps each rank's own" in said[0]
+
+
+def test_torchrun_without_a_process_group_is_refused_on_every_rank(tmp_path):
+    """Under torchrun (WORLD_SIZE=2) a loop that never called dist.init_process_group would train each rank alone as
+    a one-worker DiLoCo; both ranks refuse."""
+    for rank in _two_ranks(tmp_path, "no-group"):
+        assert "the launcher started 2 ranks (WORLD_SIZE) but torch.distributed is not initialised" in rank["error"]

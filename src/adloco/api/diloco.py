@@ -27,6 +27,7 @@ from adloco.batch.policy import TrainerBatch
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.config import ConfigError, TrainConfig, build_config
 from adloco.integrations.ddp import local_model
+from adloco.launcher import world_size_from_env
 from adloco.placement import placement
 from adloco.sync import (
     RoundState,
@@ -390,6 +391,12 @@ def _communicator(process_group: Any, device: torch.device) -> Communicator:
     if not dist.is_available() or not dist.is_initialized():
         if process_group is not None:
             raise ValueError("a process_group was given but torch.distributed is not initialised")
+        ranks = world_size_from_env()
+        if ranks > 1:  # each rank would train alone, a one-worker DiLoCo of its own, without a word
+            raise RuntimeError(
+                f"the launcher started {ranks} ranks (WORLD_SIZE) but torch.distributed is not initialised: call "
+                "dist.init_process_group() before DiLoCo(...), or run one process without torchrun"
+            )
         return LocalCommunicator()
     from torch.distributed.device_mesh import DeviceMesh
 

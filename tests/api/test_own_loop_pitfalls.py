@@ -69,3 +69,13 @@ def test_torchrun_without_a_process_group_is_refused_on_every_rank(tmp_path):
     a one-worker DiLoCo; both ranks refuse."""
     for rank in _two_ranks(tmp_path, "no-group"):
         assert "the launcher started 2 ranks (WORLD_SIZE) but torch.distributed is not initialised" in rank["error"]
+
+
+@pytest.mark.parametrize(("scenario", "counts"), [("uneven-7-6", "rank 0: 7, rank 1: 6"),
+                                                  ("uneven-5-4", "rank 0: 5, rank 1: 4")])  # fmt: skip
+def test_ranks_that_took_different_numbers_of_steps_are_refused_on_every_rank(tmp_path, scenario, counts):
+    """An uneven last batch: one rank takes a step more. In a round (7 against 6, H = 4) their exchanges carried
+    reports of unlike lengths and gloo aborted; with one rank at a round's boundary (5 against 4) the other's last
+    exchange met no peer. Both ranks now refuse at finish() in one line naming the counts."""
+    for rank in _two_ranks(tmp_path, scenario):
+        assert f"the ranks took different numbers of optimizer steps ({counts})" in rank["error"]

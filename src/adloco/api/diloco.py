@@ -324,6 +324,8 @@ class DiLoCo(LoopState):
             return
         if len(self._state.local[self.rank].steps) > self.round_step:  # a last step a loss scaler skipped
             self._after_step()
+        if self.replica is None and self.world_size > 1:
+            _check_same_steps(self.comm, self.rank, self.inner_step)
         if self.inner_step == 0:  # θ is the untrained start: setting the model to it would undo the loop's work
             raise RuntimeError(
                 "no round ran: enter `with diloco:` or call `diloco.step()` after each optimizer.step(); finish() "
@@ -473,6 +475,19 @@ def _check_same_job(comm: Communicator, rank: int, fingerprint: list[float]) -> 
             "trainers, merge, check_finite), or shards "
             "of different rows of a sharded model: every rank must build the same model and DiLoCo, and a sharded "
             "model's workers exchange over the ranks holding the same shard (process_group=mesh['replicate'])"
+        )
+
+
+def _check_same_steps(comm: Communicator, rank: int, steps: int) -> None:
+    """Every rank must end with as many inner steps: a rank ahead would end a round alone (its exchange meeting no
+    peer's), so compare the counts once, at ``finish()``, in one small collective, and refuse on every rank."""
+    seen = {w: int(v[0]) for w, v in comm.gather_worker_scalars({rank: [float(steps)]}).items()}
+    if len(set(seen.values())) > 1:
+        counts = ", ".join(f"rank {w}: {n}" for w, n in sorted(seen.items()))
+        raise RuntimeError(
+            f"the ranks took different numbers of optimizer steps ({counts}): every rank must take as many (end an "
+            "uneven epoch at the step all ranks reach; with a GradScaler, call diloco.before_step() before "
+            "scaler.step, docs/own-loop.md)"
         )
 
 

@@ -69,6 +69,34 @@ def uneven(rank: int, steps: list[int]) -> dict[str, Any]:
     return {}
 
 
+def scaler(rank: int, hooked: bool, steps: int) -> dict[str, Any]:
+    """torch.amp.GradScaler around DiLoCo, rank 1's loss overflowing at step 1 so that its scaler skips that
+    optimizer.step() (and with it the optimizer's hooks): ``hooked``, inside `with diloco:`; else the documented
+    recipe, diloco.step() after scaler.step(optimizer) at every iteration."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grad_scaler = torch.amp.GradScaler("cpu")
+    diloco = DiLoCo(model, optimizer, sync_every=H, check_finite=False)  # the scaler keeps overflows out
+
+    def train() -> None:
+        for step in range(steps):
+            loss = _loss(model, step, rank) * (float("inf") if rank == 1 and step == 1 else 1.0)
+            grad_scaler.scale(loss).backward()
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+            optimizer.zero_grad()
+            if not hooked:
+                diloco.step()
+
+    if hooked:
+        with diloco:
+            train()
+    else:
+        train()
+    diloco.finish()
+    return {"steps": diloco.inner_step, "scale": grad_scaler.get_scale(), "alike_at_the_end": _alike(model)}
+
+
 def main(out: str, scenario: str) -> None:
     torch.set_num_threads(1)
     if scenario != "no-group":
@@ -87,6 +115,8 @@ def main(out: str, scenario: str) -> None:
                 DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=H)
             elif scenario.startswith("uneven-"):
                 found = uneven(rank, [int(n) for n in scenario.split("-")[1:]])
+            elif scenario in ("scaler-recipe", "scaler-hooked"):
+                found = scaler(rank, hooked=scenario == "scaler-hooked", steps=10)
             else:
                 raise SystemExit(f"unknown scenario {scenario}")
         except (RuntimeError, ValueError) as error:

@@ -79,3 +79,15 @@ def test_ranks_that_took_different_numbers_of_steps_are_refused_on_every_rank(tm
     exchange met no peer. Both ranks now refuse at finish() in one line naming the counts."""
     for rank in _two_ranks(tmp_path, scenario):
         assert f"the ranks took different numbers of optimizer steps ({counts})" in rank["error"]
+
+
+def test_a_grad_scaler_that_skips_a_step_on_one_rank_keeps_the_ranks_in_step(tmp_path):
+    """The fp16 recipe: torch.amp.GradScaler skips optimizer.step() (and the optimizer's hooks) on the rank whose
+    gradients overflowed. Inside `with diloco:` that rank fell a step behind and gloo aborted both; now finish()
+    refuses on both, naming the counts and the recipe. The documented recipe, diloco.step() after
+    scaler.step(optimizer) at every iteration, counts the skipped step on that rank too: both end on θ."""
+    for rank in _two_ranks(tmp_path, "scaler-hooked"):
+        assert "(rank 0: 10, rank 1: 9)" in rank["error"] and "call diloco.step() after scaler.step" in rank["error"]
+    ranks = _two_ranks(tmp_path, "scaler-recipe")
+    assert [r["steps"] for r in ranks] == [10, 10] and all(r["alike_at_the_end"] for r in ranks)
+    assert ranks[1]["scale"] < ranks[0]["scale"]  # rank 1's scaler did skip a step (and halved its scale)

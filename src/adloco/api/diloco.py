@@ -486,8 +486,8 @@ def _check_same_steps(comm: Communicator, rank: int, steps: int) -> None:
         counts = ", ".join(f"rank {w}: {n}" for w, n in sorted(seen.items()))
         raise RuntimeError(
             f"the ranks took different numbers of optimizer steps ({counts}): every rank must take as many (end an "
-            "uneven epoch at the step all ranks reach; with a GradScaler, call diloco.before_step() before "
-            "scaler.step, docs/own-loop.md)"
+            "uneven epoch at the step all ranks reach; a GradScaler skips optimizer.step() on a rank that overflowed: "
+            "call diloco.step() after scaler.step(optimizer), not `with diloco:`; docs/own-loop.md)"
         )
 
 

@@ -58,7 +58,7 @@ def main(out: str, args: list[str]) -> None:
         model, optimizer, config.sync_every, config.method, codec=config.codec.model_dump(), process_group=group,
         total_samples=config.total_tokens // task.context, trainers=config.trainers, **sections,
     )  # fmt: skip
-    if diloco.batch is not None:
+    if diloco.batch:
         _adaptive_rounds(config, task, model, optimizer, stream, diloco, world)
         if rank == 0:
             names = [name for name, _ in model.named_parameters()]

@@ -91,3 +91,25 @@ def test_a_grad_scaler_that_skips_a_step_on_one_rank_keeps_the_ranks_in_step(tmp
     ranks = _two_ranks(tmp_path, "scaler-recipe")
     assert [r["steps"] for r in ranks] == [10, 10] and all(r["alike_at_the_end"] for r in ranks)
     assert ranks[1]["scale"] < ranks[0]["scale"]  # rank 1's scaler did skip a step (and halved its scale)
+
+
+def test_adloco_with_the_loops_own_backward_warns_once_that_b_cannot_move():
+    """method='adloco' measures the batch's statistics in diloco.batch.backward; a loop that runs its own
+    loss.backward() measures none, so b never moves: said once, at the first round that should have measured."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="measured no batch statistics") as caught:
+        with DiLoCo(model, optimizer, sync_every=2, method="adloco", batch={"size": 2}) as diloco:
+            _steps(model, optimizer, 6)  # three rounds
+        diloco.finish()
+    assert sum("measured no batch statistics" in str(w.message) for w in caught) == 1
+
+
+def test_the_adaptive_batch_of_a_diloco_without_one_is_a_clear_error():
+    """diloco.batch without method='adloco': false, and its use says what it is instead of Python's
+    "'NoneType' object has no attribute 'backward'"."""
+    model = _model()
+    diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+    assert not diloco.batch
+    with pytest.raises(AttributeError, match=r"diloco.batch.backward: diloco.batch is AdLoCo's adaptive batch"):
+        diloco.batch.backward(lambda x: model(x).sum(), torch.ones(2, 4))

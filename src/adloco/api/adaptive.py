@@ -337,6 +337,28 @@ class AdaptiveBatch:
         return self.samples_by_worker.get(self.worker_id, 0)
 
 
+class NoAdaptiveBatch:
+    """``diloco.batch`` of a DiLoCo without AdLoCo's adaptive batch: false in a test, and any use of it one clear
+    error (rather than Python's on None)."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy, pickle and the like ask for these: they are simply absent
+            raise AttributeError(name)
+        raise AttributeError(
+            f"diloco.batch.{name}: diloco.batch is AdLoCo's adaptive batch, which this DiLoCo has none of; build it "
+            "with method='adloco' (or a batch={...} section), or run the loop's own backward"
+        )
+
+    def __repr__(self) -> str:
+        return "NoAdaptiveBatch()"
+
+
+NO_BATCH = NoAdaptiveBatch()
+
+
 class BatchSampler(torch.utils.data.Sampler):
     """Index lists of the size the adaptive batch asks for at each step, over shuffled epochs of a dataset (each
     epoch's order from ``seed`` and its number, so ``state_dict`` resumes the order exactly). It asks when the

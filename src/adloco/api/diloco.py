@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from adloco.algorithms.batch_tests import BatchSizeController
 from adloco.algorithms.flat import bits_digest
 from adloco.algorithms.outer import OuterFactory
 from adloco.algorithms.sharding import local_rows
-from adloco.api.adaptive import AdaptiveBatch
+from adloco.api.adaptive import NO_BATCH, AdaptiveBatch, NoAdaptiveBatch
 from adloco.api.loop_state import LoopState
 from adloco.api.replica import Replica
 from adloco.api.rounds import LoopRounds
@@ -125,16 +126,17 @@ class DiLoCo(LoopState):
             _check_same_job(self.comm, self.rank, fingerprint)
         self._start_trainers(names, outer_optimizer, adaptive)
         self.merges: list[MergeEvent] = []  # the merges of several trainers, as they happened
-        self.batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
+        self._batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
         if adaptive:
             divisor = 1.0 if self.shards is None else gradient_divisor(model, self.shards)
-            self.batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.trainers, self.rank,
+            self._batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.trainers, self.rank,
                                        self.rounds, total_samples, self.shards, divisor)  # fmt: skip
         self.inner_step = 0  # inner steps taken since the start, over every round
         self._state = self._new_round()
         self._hooks: list[Any] = []
         self.last_round: RoundState | None = None  # the round that ended last, with every worker's report
         self._finished = self._finishing = False
+        self._warned_unmeasured = False
         if state is not None:  # before a replica's first quorum, which heals it from peers that are further on
             self.load_state_dict(state)
         if self.replica is not None:
@@ -217,8 +219,8 @@ class DiLoCo(LoopState):
         if self.rank not in stepping:
             for p in self.params:
                 p.grad = None  # a torch optimizer leaves a parameter without a gradient alone
-        if self.batch is not None:
-            self.batch.scale_lr()
+        if self._batch is not None:
+            self._batch.scale_lr()
 
     def _check_running(self) -> None:
         if self._finished:
@@ -234,9 +236,9 @@ class DiLoCo(LoopState):
         state = RoundState(self.rounds.count, h, self.inner_step, False, h)
         state.local = {self.rank: WorkerRound()}
         self.rounds.start()
-        if self.batch is not None:
-            self.batch.start_round(state.index)
-            state.statistics_due = self.batch.statistics_due
+        if self._batch is not None:
+            self._batch.start_round(state.index)
+            state.statistics_due = self._batch.statistics_due
         return state
 
     def _record(self, finite: bool) -> None:
@@ -248,11 +250,11 @@ class DiLoCo(LoopState):
         if len(self._state.local[self.rank].steps) == self.round_step:  # no before_step: nothing to check then
             if self.config.method == "ddp":
                 raise RuntimeError("method='ddp' averages gradients before the optimizer step: use `with diloco:`")
-            if self.batch is not None and self.batch.lr_scale != 1.0:
+            if self._batch is not None and self._batch.lr_scale != 1.0:
                 raise RuntimeError("the batch's lr factor applies before the optimizer step: use `with diloco:`")
             self._record(finite=True)
-        if self.batch is not None:
-            self.batch.after_step(self._state.local[self.rank])
+        if self._batch is not None:
+            self._batch.after_step(self._state.local[self.rank])
         self.sync.after_inner_step(self._state, self.round_step)
         self.inner_step += 1
         if self.round_step >= self.rounds.length:
@@ -265,14 +267,16 @@ class DiLoCo(LoopState):
         if not record.out and not healthy:  # a step outside the hooks may have diverged
             record.out = True
         steps = self.round_step
-        if self.batch is not None:
-            self.batch.stamp(state, self.rank, steps)
+        if self._batch is not None:
+            if state.statistics_due and steps and record.statistics is None and not record.out:
+                self._unmeasured()
+            self._batch.stamp(state, self.rank, steps)
         self.rounds.stamp(record, steps)
         self.rounds.exchange(self.sync, state)
-        if self.batch is not None:
-            self.batch.after_round(state, steps, self.sync.taking_part())
+        if self._batch is not None:
+            self._batch.after_round(state, steps, self.sync.taking_part())
         self._across_trainers(state, steps)
-        pinned = None if self.batch is None else self.batch.pinned_seconds()
+        pinned = None if self._batch is None else self._batch.pinned_seconds()
         self.rounds.end(state, self.trainers.values(), float(self.optimizer.param_groups[0]["lr"]), pinned)
         self._merge_if_due(state)  # after H is chosen, as adloco train's merges
         if record.out:
@@ -280,11 +284,21 @@ class DiLoCo(LoopState):
         self.last_round = state
         self._state = self._new_round()
         if self.replica is not None:
-            if self.batch is not None and self.replica.history:  # b as decided, as adloco train's round records
+            if self._batch is not None and self.replica.history:  # b as decided, as adloco train's round records
                 self.replica.history[-1].batch = {k: trainer.batch.size for k, trainer in self.trainers.items()}
             self.replica.end_round(None if self.rounds.last is None else self.rounds.last.to_dict())
             if not self._finishing:
                 self._join_round()
+
+    def _unmeasured(self) -> None:
+        """Warn once: a round due to measure the batch's statistics measured none, so b cannot move."""
+        if not self._warned_unmeasured:
+            self._warned_unmeasured = True
+            warnings.warn(
+                "method='adloco': the round's first step measured no batch statistics (the loop ran its own "
+                "backward, not diloco.batch.backward(loss_fn, *batch)), so b cannot move",
+                stacklevel=4,
+            )
 
     def _join_round(self) -> None:
         """The next round's quorum (a heal there replaces this replica's state), and the round's H in its record."""
@@ -297,8 +311,8 @@ class DiLoCo(LoopState):
         samples counted."""
         if len(self.trainers) > 1:
             synchronize(self.comm, self.trainers, state)
-        if self.batch is not None:
-            self.batch.account(state, steps)
+        if self._batch is not None:
+            self._batch.account(state, steps)
 
     def _merge_if_due(self, state: RoundState) -> None:
         """AdLoCo's merge of several trainers when one is due (``merge.every`` rounds)."""
@@ -306,6 +320,12 @@ class DiLoCo(LoopState):
             event = maybe_merge(self.comm, self.trainers, self.workers, self.config.merge, state.index)
             if event is not None:
                 self.merges.append(event)
+
+    @property
+    def batch(self) -> AdaptiveBatch | NoAdaptiveBatch:
+        """AdLoCo's adaptive batch (``method="adloco"``, or a ``batch`` section given); without it a false value
+        whose every use is one clear error."""
+        return NO_BATCH if self._batch is None else self._batch
 
     @property
     def trainer(self) -> Trainer:

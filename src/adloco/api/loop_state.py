@@ -54,12 +54,12 @@ class LoopState:
         state = {
             "inner_step": self.inner_step,
             "world_size": self.world_size,
-            "settings": _settings(self.config, self.shards, self.batch is not None),
+            "settings": _settings(self.config, self.shards, self._batch is not None),
             "trainers": {k: trainer.state_dict() for k, trainer in self.trainers.items()},
             "pending": self.sync.state_dict(),
             "worker": self.sync.worker_state(self.rank) if own_worker else None,
             "round": self._state.local[self.rank].to_tensor(),
-            "batch": None if self.batch is None else self.batch.state_dict(),
+            "batch": None if self._batch is None else self._batch.state_dict(),
             "replica": self._replica_state() if own_worker else None,
             **self.rounds.state_dict(),
         }
@@ -96,7 +96,7 @@ class LoopState:
         state = torch.load(io.BytesIO(payload), weights_only=True, map_location=onto_device_of_model(device))
         if state["world_size"] != self.world_size:
             raise ValueError(f"the state was saved by {state['world_size']} ranks; this job has {self.world_size}")
-        settings = _settings(self.config, self.shards, self.batch is not None)
+        settings = _settings(self.config, self.shards, self._batch is not None)
         saved_settings = {**_SETTINGS_BEFORE, **state.get("settings", settings)}
         if saved_settings != settings:
             raise ValueError(f"the state was saved with other settings ({saved_settings}); now {settings}")
@@ -119,9 +119,9 @@ class LoopState:
         self._state = self._new_round()
         self._state.first_step = self.inner_step - len(in_progress.steps)
         self._state.local[self.rank] = in_progress
-        if self.batch is not None:
-            self.batch.load_state_dict(state["batch"])  # the round's plan and β2 follow the batch it holds
-            self.batch.first_step = self.round_step == 0
+        if self._batch is not None:
+            self._batch.load_state_dict(state["batch"])  # the round's plan and β2 follow the batch it holds
+            self._batch.first_step = self.round_step == 0
         if state.get("replica") is not None and self.replica is not None:
             self.replica.manager.load_state_dict(state["replica"])
 

@@ -117,6 +117,9 @@ def main(out: str, scenario: str) -> None:
                 found = uneven(rank, [int(n) for n in scenario.split("-")[1:]])
             elif scenario in ("scaler-recipe", "scaler-hooked"):
                 found = scaler(rank, hooked=scenario == "scaler-hooked", steps=10)
+            elif scenario == "settings-differ":
+                model = _model()
+                DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=H * (rank + 1))
             else:
                 raise SystemExit(f"unknown scenario {scenario}")
         except (RuntimeError, ValueError) as error:

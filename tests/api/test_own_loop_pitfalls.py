@@ -1,9 +1,11 @@
 """What a new user's own loop trips on, each refused or warned about in one line (issue 53, part 5): in one
 process where ranks do not matter, on two gloo ranks (tests/api/pitfalls_loop.py) where they do."""
 
+import gc
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -113,3 +115,43 @@ def test_the_adaptive_batch_of_a_diloco_without_one_is_a_clear_error():
     assert not diloco.batch
     with pytest.raises(AttributeError, match=r"diloco.batch.backward: diloco.batch is AdLoCo's adaptive batch"):
         diloco.batch.backward(lambda x: model(x).sum(), torch.ones(2, 4))
+
+
+def test_a_forgotten_finish_is_said_when_the_object_goes_or_the_process_ends():
+    """Without finish() each rank keeps its own drifted model, not θ: a warning when the DiLoCo object is collected,
+    or at the process's exit; none after finish()."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with DiLoCo(model, optimizer, sync_every=2) as diloco:
+        _steps(model, optimizer, 5)
+    with pytest.warns(UserWarning, match=r"finish\(\) was never called after 2 round\(s\)"):
+        del diloco
+        gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        finished = DiLoCo(model, optimizer, sync_every=2)
+        finished.step()
+        finished.finish()
+        del finished
+        gc.collect()
+    probe = """
+import torch
+from adloco import DiLoCo
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+with DiLoCo(model, optimizer, sync_every=2) as diloco:
+    for _ in range(4):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+    result = subprocess.run([sys.executable, "-W", "default", "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "finish() was never called after 2 round(s)" in result.stderr
+
+
+def test_a_setting_that_differs_between_ranks_is_named(tmp_path):
+    """Rank 0 builds DiLoCo with sync_every=4, rank 1 with 8: both refuse, naming sync_every alone (not a list of
+    every setting that might have differed)."""
+    for rank in _two_ranks(tmp_path, "settings-differ"):
+        assert rank["error"] == "the ranks' DiLoCo settings differ in sync_every: every rank must build the same DiLoCo"

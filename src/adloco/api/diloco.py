@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -137,6 +138,9 @@ class DiLoCo(LoopState):
         self.last_round: RoundState | None = None  # the round that ended last, with every worker's report
         self._finished = self._finishing = False
         self._warned_unmeasured = False
+        # a loop that trained and never called finish() leaves each rank its own drifted model: said at exit (or when
+        # the object is collected); finish() detaches it
+        self._unfinished = weakref.finalize(self, _warn_unfinished, self.rounds)
         if state is not None:  # before a replica's first quorum, which heals it from peers that are further on
             self.load_state_dict(state)
         if self.replica is not None:
@@ -363,6 +367,7 @@ class DiLoCo(LoopState):
         # destroyed there, and its destructor joining its own thread aborts the process.
         self.comm.close()
         self._finished = True
+        self._unfinished.detach()
 
     def _all_finite(self, tensors: Sequence[torch.Tensor]) -> bool:
         """No NaN or inf in ``tensors``, over every shard of this rank's worker."""
@@ -377,18 +382,20 @@ class DiLoCo(LoopState):
 
 def _fingerprint(
     config: TrainConfig, rows: Sequence[torch.Tensor], shards: WorkerShards | None, check_finite: bool
-) -> list[float]:
-    """What every rank must agree on, as it decides which collectives run: the method, H, fragments, codec, batch,
-    trainers and merges, the health checks, each rank's model shapes and dtypes and which shard of its worker it
-    holds (the ranks that exchange hold the same rows of different workers)."""
+) -> dict[str, float]:
+    """What every rank must agree on, as it decides which collectives run, each under its name: the method, H,
+    fragments, codec, batch, trainers and merges, the health checks, each rank's model shapes and dtypes and which
+    shard of its worker it holds (the ranks that exchange hold the same rows of different workers)."""
     batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.b_max)
     merge = (config.trainers, config.merge.policy, config.merge.every, config.merge.group_size)
     codec = (config.codec.name, config.codec.density, config.codec.value_bits, config.codec.chunk_size)
-    settings = (config.method, config.sync_every, config.streaming.fragments, codec, batch, merge,
-                check_finite)  # fmt: skip
+    settings = {"method": config.method, "sync_every": config.sync_every, "streaming.fragments":
+                config.streaming.fragments, "codec": codec, "batch": batch, "trainers and merge": merge,
+                "check_finite": check_finite}  # fmt: skip
     model = tuple((tuple(p.shape), str(p.dtype)) for p in rows)
     shard = (1, 0) if shards is None else (shards.count, shards.index)
-    return [float(len(rows)), float(sum(p.numel() for p in rows)), _digest(settings), _digest((model, shard))]
+    return {"shard": _digest(shard), "model": _digest((len(rows), sum(p.numel() for p in rows), model)),
+            **{name: _digest(value) for name, value in settings.items()}}  # fmt: skip
 
 
 def _digest(value: Any) -> float:
@@ -485,16 +492,34 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _check_same_job(comm: Communicator, rank: int, fingerprint: list[float]) -> None:
-    """Every rank must hold a model of the same shapes and the same settings: refuse on every rank (rather than
-    hang in a collective only some reach, or average unlike tensors)."""
-    seen = comm.gather_worker_scalars({rank: fingerprint})
-    if any(v != seen[0] for v in seen.values()):
+def _check_same_job(comm: Communicator, rank: int, fingerprint: dict[str, float]) -> None:
+    """Every rank must hold a model of the same shapes and the same settings: refuse on every rank, naming what
+    differs (rather than hang in a collective only some reach, or average unlike tensors)."""
+    names = list(fingerprint)
+    seen = comm.gather_worker_scalars({rank: [fingerprint[n] for n in names]})
+    differ = [n for i, n in enumerate(names) if len({v[i] for v in seen.values()}) > 1]
+    if not differ:
+        return
+    if "shard" in differ:
         raise ValueError(
-            "the ranks hold different models or DiLoCo settings (method, sync_every, fragments, codec, batch, "
-            "trainers, merge, check_finite), or shards "
-            "of different rows of a sharded model: every rank must build the same model and DiLoCo, and a sharded "
-            "model's workers exchange over the ranks holding the same shard (process_group=mesh['replicate'])"
+            "the ranks exchange shards of different rows of a sharded model: a sharded model's workers exchange over "
+            "the ranks holding the same shard (process_group=mesh['replicate'])"
+        )
+    if differ[0] == "model":
+        raise ValueError(
+            "the ranks hold different models (the shapes or dtypes of their trainable parameters): every rank must "
+            "build the same model"
+        )
+    raise ValueError(f"the ranks' DiLoCo settings differ in {', '.join(differ)}: every rank must build the same "
+                     "DiLoCo")  # fmt: skip
+
+
+def _warn_unfinished(rounds: LoopRounds) -> None:
+    if rounds.count:
+        warnings.warn(
+            f"adloco.DiLoCo: finish() was never called after {rounds.count} round(s): each rank's model is its own "
+            "worker's, not θ, and the ranks may end different; call diloco.finish() after the loop",
+            stacklevel=1,
         )
 
 

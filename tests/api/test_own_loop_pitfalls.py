@@ -155,3 +155,34 @@ def test_a_setting_that_differs_between_ranks_is_named(tmp_path):
     every setting that might have differed)."""
     for rank in _two_ranks(tmp_path, "settings-differ"):
         assert rank["error"] == "the ranks' DiLoCo settings differ in sync_every: every rank must build the same DiLoCo"
+
+
+def test_optimizer_steps_outside_diloco_are_warned_about_once():
+    """A warm-up before `with diloco:` and steps after it move the model where no round counts them: one warning
+    each time it happens to an object, none for the loop inside the context or with diloco.step()."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = DiLoCo(model, optimizer, sync_every=2)
+    _steps(model, optimizer, 3)  # a warm-up before entering
+    warm_up = r"3 optimizer step\(s\) ran before this inner step outside DiLoCo"
+    with pytest.warns(UserWarning, match=warm_up) as seen, diloco:
+        _steps(model, optimizer, 4)
+    assert len([w for w in seen if "outside DiLoCo" in str(w.message)]) == 1
+    after = DiLoCo(model, optimizer, sync_every=2)
+    with after:
+        _steps(model, optimizer, 4)
+    _steps(model, optimizer, 2)  # after leaving
+    with pytest.warns(UserWarning, match=r"2 optimizer step\(s\) ran after the last inner step outside DiLoCo"):
+        after.finish()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inside = DiLoCo(model, optimizer, sync_every=2)
+        with inside:
+            _steps(model, optimizer, 3)
+        inside.finish()
+        manual = DiLoCo(model, optimizer, sync_every=2)
+        for _ in range(3):
+            _steps(model, optimizer, 1)
+            manual.step()
+        manual.before_step()  # a step a loss scaler skipped: no optimizer step, and no warning
+        manual.finish()

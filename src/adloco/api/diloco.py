@@ -135,6 +135,12 @@ class DiLoCo(LoopState):
         self.inner_step = 0  # inner steps taken since the start, over every round
         self._state = self._new_round()
         self._hooks: list[Any] = []
+        # every optimizer step, counted apart from DiLoCo's own (an integer, no reference back to DiLoCo): a step
+        # DiLoCo did not see (before `with diloco:`, after it) is warned about once
+        self._optimizer_steps = _StepCount()
+        self._counting = optimizer.register_step_post_hook(self._optimizer_steps.add)
+        self._steps_seen = 0  # optimizer steps up to DiLoCo's last inner step
+        self._warned_outside = False
         self.last_round: RoundState | None = None  # the round that ended last, with every worker's report
         self._finished = self._finishing = False
         self._warned_unmeasured = False
@@ -257,6 +263,9 @@ class DiLoCo(LoopState):
             if self._batch is not None and self._batch.lr_scale != 1.0:
                 raise RuntimeError("the batch's lr factor applies before the optimizer step: use `with diloco:`")
             self._record(finite=True)
+        if self._optimizer_steps.count - self._steps_seen > 1:
+            self._outside(self._optimizer_steps.count - self._steps_seen - 1, "before this inner step")
+        self._steps_seen = self._optimizer_steps.count
         if self._batch is not None:
             self._batch.after_step(self._state.local[self.rank])
         self.sync.after_inner_step(self._state, self.round_step)
@@ -293,6 +302,17 @@ class DiLoCo(LoopState):
             self.replica.end_round(None if self.rounds.last is None else self.rounds.last.to_dict())
             if not self._finishing:
                 self._join_round()
+
+    def _outside(self, steps: int, when: str) -> None:
+        """Warn once: optimizer steps DiLoCo did not see (outside `with diloco:`, without diloco.step())."""
+        if not self._warned_outside:
+            self._warned_outside = True
+            warnings.warn(
+                f"{steps} optimizer step(s) ran {when} outside DiLoCo (before `with diloco:` or after it, or without "
+                "diloco.step()): they count in no round, and only move this rank's model, into the next exchange's "
+                "drift (docs/own-loop.md)",
+                stacklevel=3,
+            )
 
     def _unmeasured(self) -> None:
         """Warn once: a round due to measure the batch's statistics measured none, so b cannot move."""
@@ -348,6 +368,9 @@ class DiLoCo(LoopState):
             return
         if len(self._state.local[self.rank].steps) > self.round_step:  # a last step a loss scaler skipped
             self._after_step()
+        if self._optimizer_steps.count > self._steps_seen:
+            self._outside(self._optimizer_steps.count - self._steps_seen, "after the last inner step")
+        self._counting.remove()
         if self.replica is None and self.world_size > 1:
             _check_same_steps(self.comm, self.rank, self.inner_step)
         if self.inner_step == 0:  # θ is the untrained start: setting the model to it would undo the loop's work
@@ -512,6 +535,16 @@ def _check_same_job(comm: Communicator, rank: int, fingerprint: dict[str, float]
         )
     raise ValueError(f"the ranks' DiLoCo settings differ in {', '.join(differ)}: every rank must build the same "
                      "DiLoCo")  # fmt: skip
+
+
+class _StepCount:
+    """A count of an optimizer's steps, bumped by its post-step hook."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def add(self, *_: object) -> None:
+        self.count += 1
 
 
 def _warn_unfinished(rounds: LoopRounds) -> None:

@@ -30,8 +30,8 @@ def _loss(model: torch.nn.Module, step: int, rank: int) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin())
 
 
-def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, rank: int) -> None:
-    for step in range(steps):
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, rank: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
         _loss(model, step, rank).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -97,6 +97,44 @@ def scaler(rank: int, hooked: bool, steps: int) -> dict[str, Any]:
     return {"steps": diloco.inner_step, "scale": grad_scaler.get_scale(), "alike_at_the_end": _alike(model)}
 
 
+def restore_order(rank: int, folder: Path) -> dict[str, Any]:
+    """A run stopped mid-round (6 steps, H = 4) and saved by each rank; restored with the model's state loaded
+    before DiLoCo(...) is built (which gives every rank rank 0's parameters), then in the documented order."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    diloco = DiLoCo(model, optimizer, sync_every=H)
+    with diloco:
+        _train(model, optimizer, 6, rank)
+    saved = folder / f"state{rank}.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "diloco": diloco.state_dict()}, saved)
+    with diloco:
+        _train(model, optimizer, 2, rank, start=6)
+    diloco.finish()
+    found: dict[str, Any] = {}
+    state = torch.load(saved, weights_only=True)
+    early = _model()
+    early.load_state_dict(state["model"])  # the natural order: the model first, then DiLoCo(...)
+    early_optimizer = torch.optim.SGD(early.parameters(), lr=0.1, momentum=0.9)
+    early_optimizer.load_state_dict(state["optimizer"])
+    try:
+        DiLoCo(early, early_optimizer, sync_every=H).load_state_dict(state["diloco"])
+    except ValueError as error:
+        found["wrong_order"] = str(error)
+    again = _model()
+    again_optimizer = torch.optim.SGD(again.parameters(), lr=0.1, momentum=0.9)
+    resumed = DiLoCo(again, again_optimizer, sync_every=H)
+    again.load_state_dict(state["model"])
+    again_optimizer.load_state_dict(state["optimizer"])
+    resumed.load_state_dict(state["diloco"])
+    with resumed:
+        _train(again, again_optimizer, 2, rank, start=6)
+    resumed.finish()
+    found["resumed_identical"] = all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True)
+    )
+    return found
+
+
 def main(out: str, scenario: str) -> None:
     torch.set_num_threads(1)
     if scenario != "no-group":
@@ -120,6 +158,8 @@ def main(out: str, scenario: str) -> None:
             elif scenario == "settings-differ":
                 model = _model()
                 DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=H * (rank + 1))
+            elif scenario == "restore-order":
+                found = restore_order(rank, Path(out).parent)
             else:
                 raise SystemExit(f"unknown scenario {scenario}")
         except (RuntimeError, ValueError) as error:

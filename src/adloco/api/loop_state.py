@@ -89,13 +89,20 @@ class LoopState:
             raise ValueError(
                 f"this state holds no DiLoCo state of rank {self.global_rank} (keys: {sorted(state_dict)[:4]})"
             )
-        self._load_payload(state_dict[key])
+        self._load_payload(state_dict[key], check_order=True)
 
-    def _load_payload(self, payload: bytes) -> None:
+    def _load_payload(self, payload: bytes, check_order: bool = False) -> None:
         device = local_rows(self.params[0]).device
+        untouched = check_order and self._holds_construction_theta()  # before θ is replaced below
         state = torch.load(io.BytesIO(payload), weights_only=True, map_location=onto_device_of_model(device))
         if state["world_size"] != self.world_size:
             raise ValueError(f"the state was saved by {state['world_size']} ranks; this job has {self.world_size}")
+        if untouched and WorkerRound.from_tensor(state["round"]).steps:
+            raise ValueError(
+                "this DiLoCo state was saved mid-round and the model still holds rank 0's parameters, which "
+                "DiLoCo(...) gave every rank: load each rank's own model state after DiLoCo(...) is built and before "
+                "diloco.load_state_dict (in dcp.load, the model before the DiLoCo object)"
+            )
         settings = _settings(self.config, self.shards, self._batch is not None)
         saved_settings = {**_SETTINGS_BEFORE, **state.get("settings", settings)}
         if saved_settings != settings:
@@ -124,6 +131,15 @@ class LoopState:
             self._batch.first_step = self.round_step == 0
         if state.get("replica") is not None and self.replica is not None:
             self.replica.manager.load_state_dict(state["replica"])
+
+    def _holds_construction_theta(self) -> bool:
+        """Whether a DiLoCo that has not trained yet over several ranks still holds, in the model, the θ its
+        construction gave every rank: then a model state loaded before ``DiLoCo(...)`` was overwritten by rank 0's,
+        and on every rank alike, since each compares with the same θ. (One rank alone keeps its own parameters.)"""
+        if self.replica is not None or self.world_size == 1 or self.inner_step or self.rounds.count:
+            return False
+        pairs = zip(self.workers[self.rank].params, self.trainer.theta, strict=True)
+        return all(torch.equal(p, t.to(p.device)) for p, t in pairs)
 
     @property
     def _state_key(self) -> str:

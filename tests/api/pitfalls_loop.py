@@ -111,7 +111,7 @@ def restore_order(rank: int, folder: Path) -> dict[str, Any]:
         _train(model, optimizer, 2, rank, start=6)
     diloco.finish()
     found: dict[str, Any] = {}
-    state = torch.load(saved, weights_only=True)
+    state = torch.load(saved, weights_only=True)  # loaded anew for each restore: an optimizer takes its tensors
     early = _model()
     early.load_state_dict(state["model"])  # the natural order: the model first, then DiLoCo(...)
     early_optimizer = torch.optim.SGD(early.parameters(), lr=0.1, momentum=0.9)
@@ -120,6 +120,7 @@ def restore_order(rank: int, folder: Path) -> dict[str, Any]:
         DiLoCo(early, early_optimizer, sync_every=H).load_state_dict(state["diloco"])
     except ValueError as error:
         found["wrong_order"] = str(error)
+    state = torch.load(saved, weights_only=True)
     again = _model()
     again_optimizer = torch.optim.SGD(again.parameters(), lr=0.1, momentum=0.9)
     resumed = DiLoCo(again, again_optimizer, sync_every=H)
@@ -129,6 +130,21 @@ def restore_order(rank: int, folder: Path) -> dict[str, Any]:
     with resumed:
         _train(again, again_optimizer, 2, rank, start=6)
     resumed.finish()
+    # as the HF Trainer and Lightning restore: rank 0's model on every rank first, each rank's own after DiLoCo(...)
+    state = torch.load(saved, weights_only=True)
+    framework = _model()
+    framework.load_state_dict(torch.load(folder / "state0.pt", weights_only=True)["model"])
+    framework_optimizer = torch.optim.SGD(framework.parameters(), lr=0.1, momentum=0.9)
+    restored = DiLoCo(framework, framework_optimizer, sync_every=H)
+    framework.load_state_dict(state["model"])
+    framework_optimizer.load_state_dict(state["optimizer"])
+    restored.load_state_dict(state["diloco"])  # rank 0's model is θ here, the others' are not: no refusal
+    with restored:
+        _train(framework, framework_optimizer, 2, rank, start=6)
+    restored.finish()
+    found["framework_identical"] = all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), framework.parameters(), strict=True)
+    )
     found["resumed_identical"] = all(
         torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True)
     )

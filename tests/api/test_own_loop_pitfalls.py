@@ -191,8 +191,9 @@ def test_optimizer_steps_outside_diloco_are_warned_about_once():
 def test_a_model_restored_before_diloco_is_built_is_refused_and_the_documented_order_resumes(tmp_path):
     """Restoring mid-round in the natural order (the model's state, then DiLoCo(...)) would train on from rank 0's
     model on every rank: refused on both ranks; the documented order (DiLoCo, then the model, optimizer and DiLoCo
-    states) goes on to the bits of the run that never stopped."""
+    states) goes on to the bits of the run that never stopped, and so does a framework's restore (rank 0's model on
+    every rank before DiLoCo(...), each rank's own after it), where rank 0's model alone holds θ."""
     for rank in _two_ranks(tmp_path, "restore-order"):
         assert "error" not in rank, rank["error"]
         assert "saved mid-round and the model still holds rank 0's parameters" in rank["wrong_order"]
-        assert rank["resumed_identical"]
+        assert rank["resumed_identical"] and rank["framework_identical"]

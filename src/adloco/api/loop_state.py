@@ -93,7 +93,7 @@ class LoopState:
 
     def _load_payload(self, payload: bytes, check_order: bool = False) -> None:
         device = local_rows(self.params[0]).device
-        untouched = check_order and self._holds_construction_theta()  # before θ is replaced below
+        untouched = check_order and self._holds_construction_theta()  # before θ is replaced below, on every rank
         state = torch.load(io.BytesIO(payload), weights_only=True, map_location=onto_device_of_model(device))
         if state["world_size"] != self.world_size:
             raise ValueError(f"the state was saved by {state['world_size']} ranks; this job has {self.world_size}")
@@ -133,13 +133,15 @@ class LoopState:
             self.replica.manager.load_state_dict(state["replica"])
 
     def _holds_construction_theta(self) -> bool:
-        """Whether a DiLoCo that has not trained yet over several ranks still holds, in the model, the θ its
-        construction gave every rank: then a model state loaded before ``DiLoCo(...)`` was overwritten by rank 0's,
-        and on every rank alike, since each compares with the same θ. (One rank alone keeps its own parameters.)"""
+        """Whether every rank's model of a DiLoCo that has not trained yet still holds the θ its construction gave
+        them all (rank 0's parameters): then each rank's own model state, if it was loaded, was loaded before
+        ``DiLoCo(...)`` and overwritten. Every rank must hold it: rank 0's own state is θ when a framework restored
+        rank 0's model everywhere first. One small collective, once at a resume; one rank alone keeps its own."""
         if self.replica is not None or self.world_size == 1 or self.inner_step or self.rounds.count:
             return False
         pairs = zip(self.workers[self.rank].params, self.trainer.theta, strict=True)
-        return all(torch.equal(p, t.to(p.device)) for p, t in pairs)
+        mine = float(all(torch.equal(p, t.to(p.device)) for p, t in pairs))
+        return min(v[0] for v in self.comm.gather_worker_scalars({self.rank: [mine]}).values()) > 0
 
     @property
     def _state_key(self) -> str:

@@ -197,3 +197,30 @@ def test_a_model_restored_before_diloco_is_built_is_refused_and_the_documented_o
         assert "error" not in rank, rank["error"]
         assert "saved mid-round and the model still holds rank 0's parameters" in rank["wrong_order"]
         assert rank["resumed_identical"] and rank["framework_identical"]
+
+
+def test_a_loop_that_stops_on_its_budget_with_samples_read_stops_within_a_step():
+    """diloco.batch.samples_done moves at round ends only (a loop stopping on it ran up to a round past its budget,
+    20-60 % with b growing); samples_read counts the round in progress too, so the documented budget loop stops
+    within one step of the budget, and at finish() samples_done holds exactly what the loop read."""
+    data = torch.randn(4096, 4, generator=torch.Generator().manual_seed(0))
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    pinned = {"size": 1, "b_cap": 16, "step_seconds": [0.01, 0.001], "round_seconds": 0.05, "min_steps_left": 1}
+    budget = 200
+    diloco = DiLoCo(model, optimizer, sync_every=4, method="adloco", batch=pinned, total_samples=budget)
+    read, last = 0, 0
+    with diloco:
+        for indices in diloco.batch.sampler(len(data), seed=1):
+            if diloco.batch.samples_read >= budget:
+                break
+            x = data[indices]
+            diloco.batch.backward(lambda x: torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).sin()), x)
+            optimizer.step()
+            optimizer.zero_grad()
+            read, last = read + len(indices), len(indices)
+            assert diloco.batch.samples_read == read  # every step counted, not only at the round's end
+    diloco.finish()
+    assert diloco.batch.size > 1  # b grew, so rounds grew in samples
+    assert budget <= read < budget + last
+    assert diloco.batch.samples_done == read

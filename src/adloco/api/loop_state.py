@@ -129,6 +129,7 @@ class LoopState:
         if self._batch is not None:
             self._batch.load_state_dict(state["batch"])  # the round's plan and β2 follow the batch it holds
             self._batch.first_step = self.round_step == 0
+            self._batch.round_steps = self.round_step
         if state.get("replica") is not None and self.replica is not None:
             self.replica.manager.load_state_dict(state["replica"])
 

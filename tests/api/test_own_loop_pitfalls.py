@@ -224,3 +224,19 @@ def test_a_loop_that_stops_on_its_budget_with_samples_read_stops_within_a_step()
     assert diloco.batch.size > 1  # b grew, so rounds grew in samples
     assert budget <= read < budget + last
     assert diloco.batch.samples_done == read
+
+
+def test_the_inner_lr_the_docs_describe_is_the_schedules():
+    """The inner lr: linear warm-up, then the cosine counted from token 0, not from the warm-up's end, so the lr
+    steps down after the warm-up; the docs give the default run's numbers (a warm-up reading a quarter of the
+    budget: 1e-3 at step 100, 8.68e-4 at step 101), which are the schedule's."""
+    from adloco.algorithms.schedules import inner_lr
+
+    assert inner_lr(99, 0.25, 1e-3, 1e-4, 100) == 1e-3  # the warm-up's last step (0-based 99: step 100)
+    after = inner_lr(100, 0.25, 1e-3, 1e-4, 100)
+    assert f"{after:.2e}" == "8.68e-04"  # the cosine at a quarter of the budget, not at its start (1e-3)
+    docs = Path(__file__).parents[2] / "docs"
+    for page in ("own-loop.md", "design.md"):
+        text = " ".join((docs / page).read_text().split())
+        assert "counted from token 0" in text or "counts from token 0" in text
+        assert "8.68e-4" in text

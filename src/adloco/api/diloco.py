@@ -7,7 +7,6 @@ optimizer the inner optimizer, and the rounds run through the very sync strategi
 
 from __future__ import annotations
 
-import hashlib
 import math
 import warnings
 import weakref
@@ -21,6 +20,16 @@ from adloco.algorithms.flat import bits_digest
 from adloco.algorithms.outer import OuterFactory
 from adloco.algorithms.sharding import local_rows
 from adloco.api.adaptive import NO_BATCH, AdaptiveBatch, NoAdaptiveBatch
+from adloco.api.checks import (
+    StepCount,
+    check_layout,
+    check_optimizer,
+    check_same_job,
+    check_same_steps,
+    distributed_world_size,
+    job_fingerprint,
+    warn_unfinished,
+)
 from adloco.api.loop_state import LoopState
 from adloco.api.replica import Replica
 from adloco.api.rounds import LoopRounds
@@ -102,10 +111,10 @@ class DiLoCo(LoopState):
         fault_tolerance: dict[str, Any] | None = None,
         state: dict[str, Any] | None = None,
     ) -> None:
-        model = local_model(model, _world_size(process_group, fault_tolerance))
+        model = local_model(model, distributed_world_size(fault_tolerance))
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
-        _check_optimizer(optimizer, self.params)
+        check_optimizer(optimizer, self.params)
         if outer_optimizer is not None and method in ("localsgd", "ddp"):
             raise ValueError(f"method={method!r} has no outer optimizer of its own to replace; use method='diloco'")
         if outer_optimizer is not None and (outer or {}).get("optimizer", "sgd") != "sgd":
@@ -114,7 +123,7 @@ class DiLoCo(LoopState):
         sections = {"outer": outer, "streaming": streaming, "codec": codec, "batch": batch, "merge": merge,
                     "sync_auto": sync_auto, "fault_tolerance": fault_tolerance}  # fmt: skip
         adaptive = method == "adloco" or batch is not None
-        _check_layout(trainers, self.shards, process_group)  # before anything connects
+        check_layout(trainers, self.shards, process_group)  # before anything connects
         self._connect(method, sync_every, sections, trainers, process_group)
         # their count and H (sync_every="auto": chosen at each round's end)
         self.rounds = LoopRounds(self.config, self.shards)
@@ -123,8 +132,8 @@ class DiLoCo(LoopState):
         self.comm.set_placement({w: w for w in range(self.world_size)})
         self.workers = {self.rank: LoopWorker(self.rank, self.params)}
         if self.replica is None:  # replicas compare their settings when one heals from another
-            fingerprint = _fingerprint(self.config, self.workers[self.rank].params, self.shards, check_finite)
-            _check_same_job(self.comm, self.rank, fingerprint)
+            fingerprint = job_fingerprint(self.config, self.workers[self.rank].params, self.shards, check_finite)
+            check_same_job(self.comm, self.rank, fingerprint)
         self._start_trainers(names, outer_optimizer, adaptive)
         self.merges: list[MergeEvent] = []  # the merges of several trainers, as they happened
         self._batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
@@ -137,7 +146,7 @@ class DiLoCo(LoopState):
         self._hooks: list[Any] = []
         # every optimizer step, counted apart from DiLoCo's own (an integer, no reference back to DiLoCo): a step
         # DiLoCo did not see (before `with diloco:`, after it) is warned about once
-        self._optimizer_steps = _StepCount()
+        self._optimizer_steps = StepCount()
         self._counting = optimizer.register_step_post_hook(self._optimizer_steps.add)
         self._steps_seen = 0  # optimizer steps up to DiLoCo's last inner step
         self._warned_outside = False
@@ -146,7 +155,7 @@ class DiLoCo(LoopState):
         self._warned_unmeasured = False
         # a loop that trained and never called finish() leaves each rank its own drifted model: said at exit (or when
         # the object is collected); finish() detaches it
-        self._unfinished = weakref.finalize(self, _warn_unfinished, self.rounds)
+        self._unfinished = weakref.finalize(self, warn_unfinished, self.rounds)
         if state is not None:  # before a replica's first quorum, which heals it from peers that are further on
             self.load_state_dict(state)
         if self.replica is not None:
@@ -372,7 +381,7 @@ class DiLoCo(LoopState):
             self._outside(self._optimizer_steps.count - self._steps_seen, "after the last inner step")
         self._counting.remove()
         if self.replica is None and self.world_size > 1:
-            _check_same_steps(self.comm, self.rank, self.inner_step)
+            check_same_steps(self.comm, self.rank, self.inner_step)
         if self.inner_step == 0:  # θ is the untrained start: setting the model to it would undo the loop's work
             raise RuntimeError(
                 "no round ran: enter `with diloco:` or call `diloco.step()` after each optimizer.step(); finish() "
@@ -401,40 +410,6 @@ class DiLoCo(LoopState):
     def theta(self) -> list[torch.Tensor]:
         """The global parameters θ (the model itself drifts from them within a round)."""
         return self.trainer.theta
-
-
-def _fingerprint(
-    config: TrainConfig, rows: Sequence[torch.Tensor], shards: WorkerShards | None, check_finite: bool
-) -> dict[str, float]:
-    """What every rank must agree on, as it decides which collectives run, each under its name: the method, H,
-    fragments, codec, batch, trainers and merges, the health checks, each rank's model shapes and dtypes and which
-    shard of its worker it holds (the ranks that exchange hold the same rows of different workers)."""
-    batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.b_max)
-    merge = (config.trainers, config.merge.policy, config.merge.every, config.merge.group_size)
-    codec = (config.codec.name, config.codec.density, config.codec.value_bits, config.codec.chunk_size)
-    settings = {"method": config.method, "sync_every": config.sync_every, "streaming.fragments":
-                config.streaming.fragments, "codec": codec, "batch": batch, "trainers and merge": merge,
-                "check_finite": check_finite}  # fmt: skip
-    model = tuple((tuple(p.shape), str(p.dtype)) for p in rows)
-    shard = (1, 0) if shards is None else (shards.count, shards.index)
-    return {"shard": _digest(shard), "model": _digest((len(rows), sum(p.numel() for p in rows), model)),
-            **{name: _digest(value) for name, value in settings.items()}}  # fmt: skip
-
-
-def _digest(value: Any) -> float:
-    """A number that tells values apart alike in every process (unlike ``hash`` of text)."""
-    return float(int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:6], "big"))
-
-
-def _check_optimizer(optimizer: Any, params: list[torch.Tensor]) -> None:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"DiLoCo needs a torch.optim.Optimizer (the inner optimizer), got {type(optimizer).__name__}")
-    if not params:
-        raise ValueError("the model has no trainable parameters")
-    mine = {id(p) for p in params}
-    foreign = sum(id(p) not in mine for group in optimizer.param_groups for p in group["params"])
-    if foreign:
-        raise ValueError(f"the optimizer updates {foreign} tensor(s) that are not the model's trainable parameters")
 
 
 def _communicator(process_group: Any, device: torch.device) -> Communicator:
@@ -472,12 +447,6 @@ def _communicator(process_group: Any, device: torch.device) -> Communicator:
     return DistributedCommunicator.on_group(process_group, reduce="allreduce" if pair else "gather", device=device)
 
 
-def _check_layout(trainers: int, shards: WorkerShards | None, process_group: Any) -> None:
-    """What DiLoCo cannot take on with this job's layout, refused before it connects to anything."""
-    if trainers > 1 and (shards is not None or process_group is not None):
-        raise ValueError("several trainers take a job of one rank per worker over the default process group")
-
-
 def _replica_settings(
     method: str,
     sync_every: int | str,
@@ -500,73 +469,10 @@ def _replica_settings(
     return loop_settings(method, sync_every, world, sections, trainers)
 
 
-def _world_size(process_group: Any, fault_tolerance: dict[str, Any] | None) -> int:
-    """The ranks this process trains among under torch.distributed (a replica's peers are not its ranks)."""
-    import torch.distributed as dist
-
-    if fault_tolerance is not None or not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size()
-
-
 def _global_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _check_same_job(comm: Communicator, rank: int, fingerprint: dict[str, float]) -> None:
-    """Every rank must hold a model of the same shapes and the same settings: refuse on every rank, naming what
-    differs (rather than hang in a collective only some reach, or average unlike tensors)."""
-    names = list(fingerprint)
-    seen = comm.gather_worker_scalars({rank: [fingerprint[n] for n in names]})
-    differ = [n for i, n in enumerate(names) if len({v[i] for v in seen.values()}) > 1]
-    if not differ:
-        return
-    if "shard" in differ:
-        raise ValueError(
-            "the ranks exchange shards of different rows of a sharded model: a sharded model's workers exchange over "
-            "the ranks holding the same shard (process_group=mesh['replicate'])"
-        )
-    if differ[0] == "model":
-        raise ValueError(
-            "the ranks hold different models (the shapes or dtypes of their trainable parameters): every rank must "
-            "build the same model"
-        )
-    raise ValueError(f"the ranks' DiLoCo settings differ in {', '.join(differ)}: every rank must build the same "
-                     "DiLoCo")  # fmt: skip
-
-
-class _StepCount:
-    """A count of an optimizer's steps, bumped by its post-step hook."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def add(self, *_: object) -> None:
-        self.count += 1
-
-
-def _warn_unfinished(rounds: LoopRounds) -> None:
-    if rounds.count:
-        warnings.warn(
-            f"adloco.DiLoCo: finish() was never called after {rounds.count} round(s): each rank's model is its own "
-            "worker's, not θ, and the ranks may end different; call diloco.finish() after the loop",
-            stacklevel=1,
-        )
-
-
-def _check_same_steps(comm: Communicator, rank: int, steps: int) -> None:
-    """Every rank must end with as many inner steps: a rank ahead would end a round alone (its exchange meeting no
-    peer's), so compare the counts once, at ``finish()``, in one small collective, and refuse on every rank."""
-    seen = {w: int(v[0]) for w, v in comm.gather_worker_scalars({rank: [float(steps)]}).items()}
-    if len(set(seen.values())) > 1:
-        counts = ", ".join(f"rank {w}: {n}" for w, n in sorted(seen.items()))
-        raise RuntimeError(
-            f"the ranks took different numbers of optimizer steps ({counts}): every rank must take as many (end an "
-            "uneven epoch at the step all ranks reach; a GradScaler skips optimizer.step() on a rank that overflowed: "
-            "call diloco.step() after scaler.step(optimizer), not `with diloco:`; docs/own-loop.md)"
-        )
 
 
 def _trainers(

@@ -240,3 +240,17 @@ def test_the_inner_lr_the_docs_describe_is_the_schedules():
         text = " ".join((docs / page).read_text().split())
         assert "counted from token 0" in text or "counts from token 0" in text
         assert "8.68e-4" in text
+
+
+def test_the_streaming_schedule_set_beside_torchfts_is_adlocos():
+    """docs/streaming-and-codecs.md's table for H = 10, P = 2, τ = 1: adloco takes fragment 1's Δ at step 5 and lands
+    it at 6, fragment 0's at 10 and 11 (torchft: fragment 0 at 4 and 5, fragment 1 at 9 and 10)."""
+    from adloco.algorithms.schedules import fragments_receiving_at, fragments_sending_at
+
+    sends = {t: fragments_sending_at(t, 10, 2) for t in range(1, 12)}
+    lands = {t: fragments_receiving_at(t, 10, 2, 1) for t in range(1, 12)}
+    assert {t: f for t, f in sends.items() if f} == {5: [1], 10: [0]}
+    assert {t: f for t, f in lands.items() if f} == {6: [1], 11: [0]}
+    page = " ".join((Path(__file__).parents[2] / "docs" / "streaming-and-codecs.md").read_text().split())
+    assert "| adloco: takes Δ of | | fragment 1 | | | fragment 0 | |" in page
+    assert "| adloco: lands | | | fragment 1 | | | fragment 0 |" in page

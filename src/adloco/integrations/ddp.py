@@ -52,8 +52,10 @@ def local_model(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
     inner = model.module if wrappers else model
     if world_size > 1 and not wrappers:
         # A wrapper the loop still calls holds the module; nothing on the module tells, so look once, at the start
-        # (one pass over the heap's objects: about 20 ms in a process holding torch and a model).
-        wrappers = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel) and o.module is inner]
+        # (one pass over the heap's objects: about 20 ms in a process holding torch and a model), by type() rather
+        # than isinstance(), which would ask a proxy object's own __class__.
+        found = (o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel))
+        wrappers = [o for o in found if o.module is inner]
     for wrapper in wrappers:
         if getattr(wrapper, "_adloco_local_only", False):
             continue  # an integration's wrapper, already local

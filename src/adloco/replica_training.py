@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from adloco.trainer import Trainer
 
 log = logging.getLogger("adloco")
-STREAM_SEED_STRIDE = 1_000_003  # worker i's stream seed, as adloco train's workers draw theirs
 CHECKPOINTS = "checkpoints"  # a replica's checkpoints, in its run directory
 
 
@@ -114,7 +113,7 @@ def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, console, 
     model = task.build_model(config.seed)  # on the CPU: a sharded worker's rank holds only its rows on the device
     model = model.to(device) if shards is None else shards.shard(model, device)
     optimizer = _inner_optimizer(model, config, device)
-    stream = task.stream(config.seed * STREAM_SEED_STRIDE + ft.replica, worker=ft.replica, workers=ft.replicas)
+    stream = task.worker_stream(config.seed, ft.replica, ft.replicas)
     started = time.perf_counter()
     saved = _own_checkpoint(run_dir / CHECKPOINTS, model, optimizer, shards)
     try:

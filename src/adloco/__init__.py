@@ -9,6 +9,7 @@ __all__ = [
     "MuonWithAdamW",
     "end_process_group",
     "hidden_matrices",
+    "train_parts",
     "TrainConfig",
     "TrainResult",
     "build_config",
@@ -18,7 +19,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from adloco.api import DiLoCo, Muon, MuonWithAdamW, end_process_group, hidden_matrices
+    from adloco.api import DiLoCo, Muon, MuonWithAdamW, end_process_group, hidden_matrices, train_parts
     from adloco.config import TrainConfig, build_config, load_config
     from adloco.training import TrainResult, train
 
@@ -29,7 +30,7 @@ def __getattr__(name: str) -> Any:
         from adloco import config
 
         return getattr(config, name)
-    if name in ("DiLoCo", "Muon", "MuonWithAdamW", "end_process_group", "hidden_matrices"):
+    if name in ("DiLoCo", "Muon", "MuonWithAdamW", "end_process_group", "hidden_matrices", "train_parts"):
         from adloco import api
 
         return getattr(api, name)

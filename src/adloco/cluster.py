@@ -37,7 +37,6 @@ from adloco.worker import Worker
 log = logging.getLogger(__name__)
 
 # Worker seeds are spread far apart so streams of different workers never share a generator state.
-_STREAM_SEED_STRIDE = 1_000_003
 
 
 @dataclass
@@ -213,9 +212,7 @@ class Cluster:
 
     def _worker(self, worker_id: int, template: torch.nn.Module) -> Worker:
         config = self.config
-        stream = self.task.stream(
-            config.seed * _STREAM_SEED_STRIDE + worker_id, worker=worker_id, workers=config.total_workers
-        )
+        stream = self.task.worker_stream(config.seed, worker_id, config.total_workers)
         options = dict(loss_fn=self.task.loss, precision=config.precision, compile_step=config.compile)
         if self.comm.shards == 1:
             return Worker(worker_id, copy.deepcopy(template).to(self.device), config.inner, stream, **options)

@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from adloco.trainer import Trainer
 
 log = logging.getLogger("adloco")
-STREAM_SEED_STRIDE = 1_000_003  # worker i's stream seed, as adloco train's workers draw theirs
 CHECKPOINTS = "checkpoints"  # a replica's checkpoints, in its run directory
 
 
@@ -114,7 +113,7 @@ def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, console, 
     model = task.build_model(config.seed)  # on the CPU: a sharded worker's rank holds only its rows on the device
     model = model.to(device) if shards is None else shards.shard(model, device)
     optimizer = _inner_optimizer(model, config, device)
-    stream = task.stream(config.seed * STREAM_SEED_STRIDE + ft.replica, worker=ft.replica, workers=ft.replicas)
+    stream = task.worker_stream(config.seed, ft.replica, ft.replicas)
     started = time.perf_counter()
     saved = _own_checkpoint(run_dir / CHECKPOINTS, model, optimizer, shards)
     try:
@@ -250,7 +249,7 @@ class _ReplicaLoop:
 
     def run(self, console: Console | None) -> None:
         with self.diloco:
-            if self.diloco.batch is None:
+            if not self.diloco.batch:
                 while self.diloco.inner_step < self.total_steps:
                     step = self.diloco.inner_step
                     fraction = step * self.per_step / self.config.total_tokens
@@ -262,7 +261,7 @@ class _ReplicaLoop:
         """Rounds of the batch the adaptive batch asks for; the budget (in tokens, over the workers present) cuts
         the last one short, as adloco train's does."""
         batch, context, total = self.diloco.batch, self.task.context, self.config.total_tokens
-        assert batch is not None
+        assert batch
         while batch.samples_done * context < total:
             self._catch_up()  # a heal (at the start, or at this round's quorum) moves the stream
             tokens_before, per_step = batch.samples_done * context, batch.job_samples * context
@@ -276,12 +275,12 @@ class _ReplicaLoop:
 
     def _step(self, samples: int, step: int, fraction: float, console: Console | None) -> None:
         """One inner step of ``samples`` samples at inner step ``step``, ``fraction`` into the budget."""
-        if self.diloco.batch is None:
+        if not self.diloco.batch:
             self._catch_up()
         data = [t.to(self.device) for t in self.stream.next_batch(samples)]
         self.read += samples
         self.optimizer.zero_grad(set_to_none=True)
-        if self.diloco.batch is not None:  # in micro-batches of b_max (a sharded worker: this rank's share of
+        if self.diloco.batch:  # in micro-batches of b_max (a sharded worker: this rank's share of
             # each); on a statistics step in groups, for the batch test
             self.losses.append(self.diloco.batch.backward(lambda *xs: self.task.loss(self.model, *xs), *data))
         elif self.shards is not None:  # this rank's share of the step, as adloco train shards=S splits it
@@ -358,7 +357,7 @@ class _ReplicaLoop:
     def _catch_up(self) -> None:
         """After a heal the step is the peers': read past the samples of the steps this worker did not take."""
         batch = self.diloco.batch
-        target = self.diloco.inner_step * self.b if batch is None else batch.worker_samples
+        target = self.diloco.inner_step * self.b if not batch else batch.worker_samples
         if hasattr(self.stream, "skip") and self.read < target:  # token files: the cursor moves, nothing is read
             self.stream.skip(target - self.read)
             self.read = target
@@ -379,7 +378,7 @@ class _ReplicaLoop:
             first = record is replica.history[0]  # of this start: its recovery, process start to here
             age = {"process_seconds": process_age()} if first and record.committed else {}
             self.tokens = (
-                self.diloco.inner_step * self.per_step if batch is None else batch.samples_done * self.task.context
+                self.diloco.inner_step * self.per_step if not batch else batch.samples_done * self.task.context
             )
             loss = sum(float(x) for x in self.losses) / len(self.losses) if self.losses else None
             fields = {**asdict(record), "round": record.round + 1, **self._bytes()}

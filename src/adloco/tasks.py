@@ -27,6 +27,9 @@ from adloco.model import ModelSpec, classification_loss, max_positions, next_tok
 EVAL_BATCH = 64
 
 
+STREAM_SEED_STRIDE = 1_000_003  # worker w of a run seeded s reads the stream seeded s · stride + w
+
+
 class Stream(Protocol):
     """A worker's endless sample stream: batches of tensors with one row per sample, and a cursor."""
 
@@ -97,6 +100,10 @@ class Task(ABC):
     @abstractmethod
     def stream(self, seed: int, worker: int, workers: int) -> Stream:
         """Worker ``worker`` of ``workers``: its own deterministic sample stream."""
+
+    def worker_stream(self, run_seed: int, worker: int, workers: int) -> Stream:
+        """Worker ``worker``'s stream of a run seeded ``run_seed``, as ``adloco train``'s worker reads it."""
+        return self.stream(run_seed * STREAM_SEED_STRIDE + worker, worker=worker, workers=workers)
 
     @abstractmethod
     def loss(self, model: torch.nn.Module, *batch: torch.Tensor) -> torch.Tensor:

@@ -19,12 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from adloco import DiLoCo, build_config, end_process_group
-from adloco.algorithms.schedules import inner_lr
-from adloco.data import build_tokenizer, load_corpus, source_from_config, training_texts
-from adloco.tasks import build_task
-
-STREAM_SEED_STRIDE = 1_000_003  # as adloco train spreads its workers' streams
+from adloco import DiLoCo, end_process_group, train_parts
 
 
 def main(out: str, args: list[str]) -> None:
@@ -32,34 +27,14 @@ def main(out: str, args: list[str]) -> None:
     overrides = [a for a in args if not a.startswith("--")]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = build_config(overrides=overrides)
+    parts = train_parts(overrides, worker=rank, workers=world)  # adloco train's model, AdamW, stream and schedule
+    config, task, model, optimizer, stream = parts.config, parts.task, parts.model, parts.optimizer, parts.stream
     torch.set_num_threads(config.threads or 1)
-    source = source_from_config(config.data)
-    tokenizer = build_tokenizer(config.data, training_texts(config.data, source))
-    task = build_task(config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context, source))
-    model = task.build_model(config.seed)
-    stream = task.stream(config.seed * STREAM_SEED_STRIDE + rank, worker=rank, workers=world)
     inner = config.inner
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": inner.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=inner.lr, betas=(inner.beta1, inner.beta2), eps=inner.eps, foreach=False)
-    sections = {"outer": config.outer.model_dump(), "streaming": config.streaming.model_dump()}
-    if config.method != "streaming":
-        sections.pop("streaming")
     group = dist.new_group(list(range(world))) if "--own-group" in args else None  # a group the user made
-    if config.method == "adloco":
-        sections["batch"] = config.batch.model_dump()
-    if config.trainers > 1:
-        sections["merge"] = config.merge.model_dump()
-    if config.sync_every == "auto":
-        sections["sync_auto"] = config.sync_auto.model_dump()
-    diloco = DiLoCo(
-        model, optimizer, config.sync_every, config.method, codec=config.codec.model_dump(), process_group=group,
-        total_samples=config.total_tokens // task.context, trainers=config.trainers, **sections,
-    )  # fmt: skip
-    if diloco.batch is not None:
-        _adaptive_rounds(config, task, model, optimizer, stream, diloco, world)
+    diloco = DiLoCo(model, optimizer, process_group=group, **parts.diloco_settings())
+    if diloco.batch:
+        _adaptive_rounds(parts, diloco)
         if rank == 0:
             names = [name for name, _ in model.named_parameters()]
             torch.save(dict(zip(names, diloco.theta, strict=True)), out)
@@ -86,9 +61,7 @@ def main(out: str, args: list[str]) -> None:
             task.loss(model, inputs, targets).backward()
             if inner.clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), inner.clip, foreach=False)
-            lr = inner_lr(step, step * per_step / config.total_tokens, inner.lr, inner.min_lr, inner.warmup_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            parts.set_lr(step, step * per_step)
             optimizer.step()
     diloco.finish(into_model=False)  # every round is whole here: this applies the exchanges in flight
     if rank == 0:
@@ -96,9 +69,10 @@ def main(out: str, args: list[str]) -> None:
         torch.save(dict(zip(names, diloco.theta, strict=True)), out)
 
 
-def _adaptive_rounds(config, task, model, optimizer, stream, diloco, world: int) -> None:
+def _adaptive_rounds(parts, diloco) -> None:
     """Rounds whose batch the adaptive batch decides (each trainer its own); the budget cut as adloco train cuts
     it, in tokens over every trainer's workers."""
+    config, task, model, optimizer, stream = parts.config, parts.task, parts.model, parts.optimizer, parts.stream
     inner, batch, step = config.inner, diloco.batch, 0
     with diloco:
         while batch.samples_done * task.context < config.total_tokens:
@@ -111,10 +85,7 @@ def _adaptive_rounds(config, task, model, optimizer, stream, diloco, world: int)
                 batch.backward(lambda x, y: task.loss(model, x, y), inputs, targets)
                 if inner.clip is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), inner.clip, foreach=False)
-                fraction = (tokens_before + round_step * per_step) / config.total_tokens
-                lr = inner_lr(step, fraction, inner.lr, inner.min_lr, inner.warmup_steps)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
+                parts.set_lr(step, tokens_before + round_step * per_step)
                 optimizer.step()
                 step += 1
             if steps < length:

@@ -137,7 +137,7 @@ def main() -> None:
                     diloco.theta[0].add_(0.5)
                 perturbed = True
             time.sleep(args.step_seconds)
-            if diloco.batch is None:
+            if not diloco.batch:
                 x, y = batch(replica, diloco.inner_step, args.device)
                 torch.nn.functional.mse_loss(net(x[part]), y[part]).backward()
             else:  # as many samples as the batch asks for, its backward measuring on a statistics step

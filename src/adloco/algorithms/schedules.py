@@ -14,7 +14,8 @@ def inner_lr(step: int, progress: float, peak: float, floor: float, warmup_steps
     """Learning rate for inner step ``step`` (0-based) at ``progress`` ∈ [0, 1] of the token budget.
 
     Decay follows tokens rather than steps because adaptive batching makes the step count unknown in
-    advance; with a fixed batch the two coincide.
+    advance; with a fixed batch the two coincide. The cosine counts from token 0, so the first step after the
+    warm-up is already at the cosine of the fraction the warm-up read (the lr steps down there).
     """
     if warmup_steps > 0 and step < warmup_steps:
         return peak * (step + 1) / warmup_steps

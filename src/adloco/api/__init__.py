@@ -2,6 +2,7 @@
 
 from adloco.api.diloco import DiLoCo
 from adloco.api.shutdown import end_process_group
+from adloco.api.train_parts import TrainParts, train_parts
 from adloco.inner_optimizer import Muon, MuonWithAdamW, hidden_matrices
 
-__all__ = ["DiLoCo", "Muon", "MuonWithAdamW", "end_process_group", "hidden_matrices"]
+__all__ = ["DiLoCo", "Muon", "MuonWithAdamW", "TrainParts", "end_process_group", "hidden_matrices", "train_parts"]

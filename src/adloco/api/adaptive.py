@@ -79,6 +79,7 @@ class AdaptiveBatch:
         self.plans = self._plans()
         self.statistics_due = False
         self.first_step = True  # of the round in progress
+        self.round_steps = 0  # inner steps of the round in progress (the budget's count within a round)
         self.statistics = None
         self.compute_seconds = 0.0
         self._round_started = time.perf_counter()
@@ -109,6 +110,7 @@ class AdaptiveBatch:
         """A round begins: its plan, whether its first step measures, and β2 for its batch (b holds still)."""
         self.statistics_due = round_index % self.config.test_every == 0
         self.first_step, self.statistics, self.compute_seconds = True, None, 0.0
+        self.round_steps = 0
         self._round_started = time.perf_counter()
         self._follow_batch()
 
@@ -217,6 +219,7 @@ class AdaptiveBatch:
         round report (a non-finite step measured nothing), which the round's exchange carries to every rank."""
         self.restore_lr()
         self.first_step = False
+        self.round_steps = len(record.steps)
         if self.statistics is not None and record.steps and record.steps[-1].finite and not record.out:
             record.statistics = self.statistics
         self.statistics = None
@@ -287,9 +290,22 @@ class AdaptiveBatch:
 
     @property
     def job_samples(self) -> int:
-        """Samples one inner step of the round reads over every worker of every trainer, as the plans say (the
-        budget's unit; a statistics step reads more where b < 2)."""
+        """Samples one inner step of the round reads over every worker of every trainer, as the plans say (a step of
+        the budget, not a total; a statistics step reads more where b < 2)."""
         return sum(self.plans[k].samples * len(t.worker_ids) for k, t in self.trainers.items())
+
+    @property
+    def samples_read(self) -> int:
+        """Samples the job has read so far over every worker of every trainer: the rounds that ended
+        (``samples_done``) and the steps of the round in progress, as planned (each worker reads the plan's samples a
+        step, a statistics step at least 2). What a loop that stops on a budget compares with it."""
+        extra = self.statistics_due and self.round_steps > 0
+        in_round = sum(
+            (self.round_steps * self.plans[k].samples + (max(self.plans[k].samples, 2) - self.plans[k].samples) * extra)
+            * len(t.worker_ids)
+            for k, t in self.trainers.items()
+        )
+        return self.samples_done + in_round
 
     @property
     def last_decision(self) -> dict | None:
@@ -335,6 +351,28 @@ class AdaptiveBatch:
     def worker_samples(self) -> int:
         """Samples this rank's worker read in the rounds that ended, as planned (a replica's stream position)."""
         return self.samples_by_worker.get(self.worker_id, 0)
+
+
+class NoAdaptiveBatch:
+    """``diloco.batch`` of a DiLoCo without AdLoCo's adaptive batch: false in a test, and any use of it one clear
+    error (rather than Python's on None)."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy, pickle and the like ask for these: they are simply absent
+            raise AttributeError(name)
+        raise AttributeError(
+            f"diloco.batch.{name}: diloco.batch is AdLoCo's adaptive batch, which this DiLoCo has none of; build it "
+            "with method='adloco' (or a batch={...} section), or run the loop's own backward"
+        )
+
+    def __repr__(self) -> str:
+        return "NoAdaptiveBatch()"
+
+
+NO_BATCH = NoAdaptiveBatch()
 
 
 class BatchSampler(torch.utils.data.Sampler):

@@ -7,8 +7,9 @@ optimizer the inner optimizer, and the rounds run through the very sync strategi
 
 from __future__ import annotations
 
-import hashlib
 import math
+import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +19,17 @@ from adloco.algorithms.batch_tests import BatchSizeController
 from adloco.algorithms.flat import bits_digest
 from adloco.algorithms.outer import OuterFactory
 from adloco.algorithms.sharding import local_rows
-from adloco.api.adaptive import AdaptiveBatch
+from adloco.api.adaptive import NO_BATCH, AdaptiveBatch, NoAdaptiveBatch
+from adloco.api.checks import (
+    StepCount,
+    check_layout,
+    check_optimizer,
+    check_same_job,
+    check_same_steps,
+    distributed_world_size,
+    job_fingerprint,
+    warn_unfinished,
+)
 from adloco.api.loop_state import LoopState
 from adloco.api.replica import Replica
 from adloco.api.rounds import LoopRounds
@@ -26,6 +37,8 @@ from adloco.api.worker import LoopWorker, WorkerShards, finite, gradient_divisor
 from adloco.batch.policy import TrainerBatch
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.config import ConfigError, TrainConfig, build_config
+from adloco.integrations.ddp import local_model
+from adloco.launcher import world_size_from_env
 from adloco.placement import placement
 from adloco.sync import (
     RoundState,
@@ -98,9 +111,10 @@ class DiLoCo(LoopState):
         fault_tolerance: dict[str, Any] | None = None,
         state: dict[str, Any] | None = None,
     ) -> None:
+        model = local_model(model, distributed_world_size(fault_tolerance))
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
-        _check_optimizer(optimizer, self.params)
+        check_optimizer(optimizer, self.params)
         if outer_optimizer is not None and method in ("localsgd", "ddp"):
             raise ValueError(f"method={method!r} has no outer optimizer of its own to replace; use method='diloco'")
         if outer_optimizer is not None and (outer or {}).get("optimizer", "sgd") != "sgd":
@@ -109,7 +123,7 @@ class DiLoCo(LoopState):
         sections = {"outer": outer, "streaming": streaming, "codec": codec, "batch": batch, "merge": merge,
                     "sync_auto": sync_auto, "fault_tolerance": fault_tolerance}  # fmt: skip
         adaptive = method == "adloco" or batch is not None
-        _check_layout(trainers, self.shards, process_group)  # before anything connects
+        check_layout(trainers, self.shards, process_group)  # before anything connects
         self._connect(method, sync_every, sections, trainers, process_group)
         # their count and H (sync_every="auto": chosen at each round's end)
         self.rounds = LoopRounds(self.config, self.shards)
@@ -118,20 +132,30 @@ class DiLoCo(LoopState):
         self.comm.set_placement({w: w for w in range(self.world_size)})
         self.workers = {self.rank: LoopWorker(self.rank, self.params)}
         if self.replica is None:  # replicas compare their settings when one heals from another
-            fingerprint = _fingerprint(self.config, self.workers[self.rank].params, self.shards, check_finite)
-            _check_same_job(self.comm, self.rank, fingerprint)
+            fingerprint = job_fingerprint(self.config, self.workers[self.rank].params, self.shards, check_finite)
+            check_same_job(self.comm, self.rank, fingerprint)
         self._start_trainers(names, outer_optimizer, adaptive)
         self.merges: list[MergeEvent] = []  # the merges of several trainers, as they happened
-        self.batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
+        self._batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
         if adaptive:
             divisor = 1.0 if self.shards is None else gradient_divisor(model, self.shards)
-            self.batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.trainers, self.rank,
+            self._batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.trainers, self.rank,
                                        self.rounds, total_samples, self.shards, divisor)  # fmt: skip
         self.inner_step = 0  # inner steps taken since the start, over every round
         self._state = self._new_round()
         self._hooks: list[Any] = []
+        # every optimizer step, counted apart from DiLoCo's own (an integer, no reference back to DiLoCo): a step
+        # DiLoCo did not see (before `with diloco:`, after it) is warned about once
+        self._optimizer_steps = StepCount()
+        self._counting = optimizer.register_step_post_hook(self._optimizer_steps.add)
+        self._steps_seen = 0  # optimizer steps up to DiLoCo's last inner step
+        self._warned_outside = False
         self.last_round: RoundState | None = None  # the round that ended last, with every worker's report
         self._finished = self._finishing = False
+        self._warned_unmeasured = False
+        # a loop that trained and never called finish() leaves each rank its own drifted model: said at exit (or when
+        # the object is collected); finish() detaches it
+        self._unfinished = weakref.finalize(self, warn_unfinished, self.rounds)
         if state is not None:  # before a replica's first quorum, which heals it from peers that are further on
             self.load_state_dict(state)
         if self.replica is not None:
@@ -214,8 +238,8 @@ class DiLoCo(LoopState):
         if self.rank not in stepping:
             for p in self.params:
                 p.grad = None  # a torch optimizer leaves a parameter without a gradient alone
-        if self.batch is not None:
-            self.batch.scale_lr()
+        if self._batch is not None:
+            self._batch.scale_lr()
 
     def _check_running(self) -> None:
         if self._finished:
@@ -231,9 +255,9 @@ class DiLoCo(LoopState):
         state = RoundState(self.rounds.count, h, self.inner_step, False, h)
         state.local = {self.rank: WorkerRound()}
         self.rounds.start()
-        if self.batch is not None:
-            self.batch.start_round(state.index)
-            state.statistics_due = self.batch.statistics_due
+        if self._batch is not None:
+            self._batch.start_round(state.index)
+            state.statistics_due = self._batch.statistics_due
         return state
 
     def _record(self, finite: bool) -> None:
@@ -245,11 +269,14 @@ class DiLoCo(LoopState):
         if len(self._state.local[self.rank].steps) == self.round_step:  # no before_step: nothing to check then
             if self.config.method == "ddp":
                 raise RuntimeError("method='ddp' averages gradients before the optimizer step: use `with diloco:`")
-            if self.batch is not None and self.batch.lr_scale != 1.0:
+            if self._batch is not None and self._batch.lr_scale != 1.0:
                 raise RuntimeError("the batch's lr factor applies before the optimizer step: use `with diloco:`")
             self._record(finite=True)
-        if self.batch is not None:
-            self.batch.after_step(self._state.local[self.rank])
+        if self._optimizer_steps.count - self._steps_seen > 1:
+            self._outside(self._optimizer_steps.count - self._steps_seen - 1, "before this inner step")
+        self._steps_seen = self._optimizer_steps.count
+        if self._batch is not None:
+            self._batch.after_step(self._state.local[self.rank])
         self.sync.after_inner_step(self._state, self.round_step)
         self.inner_step += 1
         if self.round_step >= self.rounds.length:
@@ -262,14 +289,16 @@ class DiLoCo(LoopState):
         if not record.out and not healthy:  # a step outside the hooks may have diverged
             record.out = True
         steps = self.round_step
-        if self.batch is not None:
-            self.batch.stamp(state, self.rank, steps)
+        if self._batch is not None:
+            if state.statistics_due and steps and record.statistics is None and not record.out:
+                self._unmeasured()
+            self._batch.stamp(state, self.rank, steps)
         self.rounds.stamp(record, steps)
         self.rounds.exchange(self.sync, state)
-        if self.batch is not None:
-            self.batch.after_round(state, steps, self.sync.taking_part())
+        if self._batch is not None:
+            self._batch.after_round(state, steps, self.sync.taking_part())
         self._across_trainers(state, steps)
-        pinned = None if self.batch is None else self.batch.pinned_seconds()
+        pinned = None if self._batch is None else self._batch.pinned_seconds()
         self.rounds.end(state, self.trainers.values(), float(self.optimizer.param_groups[0]["lr"]), pinned)
         self._merge_if_due(state)  # after H is chosen, as adloco train's merges
         if record.out:
@@ -277,11 +306,32 @@ class DiLoCo(LoopState):
         self.last_round = state
         self._state = self._new_round()
         if self.replica is not None:
-            if self.batch is not None and self.replica.history:  # b as decided, as adloco train's round records
+            if self._batch is not None and self.replica.history:  # b as decided, as adloco train's round records
                 self.replica.history[-1].batch = {k: trainer.batch.size for k, trainer in self.trainers.items()}
             self.replica.end_round(None if self.rounds.last is None else self.rounds.last.to_dict())
             if not self._finishing:
                 self._join_round()
+
+    def _outside(self, steps: int, when: str) -> None:
+        """Warn once: optimizer steps DiLoCo did not see (outside `with diloco:`, without diloco.step())."""
+        if not self._warned_outside:
+            self._warned_outside = True
+            warnings.warn(
+                f"{steps} optimizer step(s) ran {when} outside DiLoCo (before `with diloco:` or after it, or without "
+                "diloco.step()): they count in no round, and only move this rank's model, into the next exchange's "
+                "drift (docs/own-loop.md)",
+                stacklevel=3,
+            )
+
+    def _unmeasured(self) -> None:
+        """Warn once: a round due to measure the batch's statistics measured none, so b cannot move."""
+        if not self._warned_unmeasured:
+            self._warned_unmeasured = True
+            warnings.warn(
+                "method='adloco': the round's first step measured no batch statistics (the loop ran its own "
+                "backward, not diloco.batch.backward(loss_fn, *batch)), so b cannot move",
+                stacklevel=4,
+            )
 
     def _join_round(self) -> None:
         """The next round's quorum (a heal there replaces this replica's state), and the round's H in its record."""
@@ -294,8 +344,8 @@ class DiLoCo(LoopState):
         samples counted."""
         if len(self.trainers) > 1:
             synchronize(self.comm, self.trainers, state)
-        if self.batch is not None:
-            self.batch.account(state, steps)
+        if self._batch is not None:
+            self._batch.account(state, steps)
 
     def _merge_if_due(self, state: RoundState) -> None:
         """AdLoCo's merge of several trainers when one is due (``merge.every`` rounds)."""
@@ -303,6 +353,12 @@ class DiLoCo(LoopState):
             event = maybe_merge(self.comm, self.trainers, self.workers, self.config.merge, state.index)
             if event is not None:
                 self.merges.append(event)
+
+    @property
+    def batch(self) -> AdaptiveBatch | NoAdaptiveBatch:
+        """AdLoCo's adaptive batch (``method="adloco"``, or a ``batch`` section given); without it a false value
+        whose every use is one clear error."""
+        return NO_BATCH if self._batch is None else self._batch
 
     @property
     def trainer(self) -> Trainer:
@@ -321,6 +377,16 @@ class DiLoCo(LoopState):
             return
         if len(self._state.local[self.rank].steps) > self.round_step:  # a last step a loss scaler skipped
             self._after_step()
+        if self._optimizer_steps.count > self._steps_seen:
+            self._outside(self._optimizer_steps.count - self._steps_seen, "after the last inner step")
+        self._counting.remove()
+        if self.replica is None and self.world_size > 1:
+            check_same_steps(self.comm, self.rank, self.inner_step)
+        if self.inner_step == 0:  # θ is the untrained start: setting the model to it would undo the loop's work
+            raise RuntimeError(
+                "no round ran: enter `with diloco:` or call `diloco.step()` after each optimizer.step(); finish() "
+                "would set the model to the untrained θ"
+            )
         self._finishing = True
         if self.round_step > 0:
             self._end_round()
@@ -333,6 +399,7 @@ class DiLoCo(LoopState):
         # destroyed there, and its destructor joining its own thread aborts the process.
         self.comm.close()
         self._finished = True
+        self._unfinished.detach()
 
     def _all_finite(self, tensors: Sequence[torch.Tensor]) -> bool:
         """No NaN or inf in ``tensors``, over every shard of this rank's worker."""
@@ -345,44 +412,18 @@ class DiLoCo(LoopState):
         return self.trainer.theta
 
 
-def _fingerprint(
-    config: TrainConfig, rows: Sequence[torch.Tensor], shards: WorkerShards | None, check_finite: bool
-) -> list[float]:
-    """What every rank must agree on, as it decides which collectives run: the method, H, fragments, codec, batch,
-    trainers and merges, the health checks, each rank's model shapes and dtypes and which shard of its worker it
-    holds (the ranks that exchange hold the same rows of different workers)."""
-    batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.b_max)
-    merge = (config.trainers, config.merge.policy, config.merge.every, config.merge.group_size)
-    codec = (config.codec.name, config.codec.density, config.codec.value_bits, config.codec.chunk_size)
-    settings = (config.method, config.sync_every, config.streaming.fragments, codec, batch, merge,
-                check_finite)  # fmt: skip
-    model = tuple((tuple(p.shape), str(p.dtype)) for p in rows)
-    shard = (1, 0) if shards is None else (shards.count, shards.index)
-    return [float(len(rows)), float(sum(p.numel() for p in rows)), _digest(settings), _digest((model, shard))]
-
-
-def _digest(value: Any) -> float:
-    """A number that tells values apart alike in every process (unlike ``hash`` of text)."""
-    return float(int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:6], "big"))
-
-
-def _check_optimizer(optimizer: Any, params: list[torch.Tensor]) -> None:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"DiLoCo needs a torch.optim.Optimizer (the inner optimizer), got {type(optimizer).__name__}")
-    if not params:
-        raise ValueError("the model has no trainable parameters")
-    mine = {id(p) for p in params}
-    foreign = sum(id(p) not in mine for group in optimizer.param_groups for p in group["params"])
-    if foreign:
-        raise ValueError(f"the optimizer updates {foreign} tensor(s) that are not the model's trainable parameters")
-
-
 def _communicator(process_group: Any, device: torch.device) -> Communicator:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         if process_group is not None:
             raise ValueError("a process_group was given but torch.distributed is not initialised")
+        ranks = world_size_from_env()
+        if ranks > 1:  # each rank would train alone, a one-worker DiLoCo of its own, without a word
+            raise RuntimeError(
+                f"the launcher started {ranks} ranks (WORLD_SIZE) but torch.distributed is not initialised: call "
+                "dist.init_process_group() before DiLoCo(...), or run one process without torchrun"
+            )
         return LocalCommunicator()
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -404,12 +445,6 @@ def _communicator(process_group: Any, device: torch.device) -> Communicator:
     # NCCL keeps the gather (the pair's bits are untested there).
     pair = dist.get_world_size(process_group) == 2 and dist.get_backend(process_group) == "gloo"
     return DistributedCommunicator.on_group(process_group, reduce="allreduce" if pair else "gather", device=device)
-
-
-def _check_layout(trainers: int, shards: WorkerShards | None, process_group: Any) -> None:
-    """What DiLoCo cannot take on with this job's layout, refused before it connects to anything."""
-    if trainers > 1 and (shards is not None or process_group is not None):
-        raise ValueError("several trainers take a job of one rank per worker over the default process group")
 
 
 def _replica_settings(
@@ -438,19 +473,6 @@ def _global_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _check_same_job(comm: Communicator, rank: int, fingerprint: list[float]) -> None:
-    """Every rank must hold a model of the same shapes and the same settings: refuse on every rank (rather than
-    hang in a collective only some reach, or average unlike tensors)."""
-    seen = comm.gather_worker_scalars({rank: fingerprint})
-    if any(v != seen[0] for v in seen.values()):
-        raise ValueError(
-            "the ranks hold different models or DiLoCo settings (method, sync_every, fragments, codec, batch, "
-            "trainers, merge, check_finite), or shards "
-            "of different rows of a sharded model: every rank must build the same model and DiLoCo, and a sharded "
-            "model's workers exchange over the ranks holding the same shard (process_group=mesh['replicate'])"
-        )
 
 
 def _trainers(

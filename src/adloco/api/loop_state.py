@@ -54,12 +54,12 @@ class LoopState:
         state = {
             "inner_step": self.inner_step,
             "world_size": self.world_size,
-            "settings": _settings(self.config, self.shards, self.batch is not None),
+            "settings": _settings(self.config, self.shards, self._batch is not None),
             "trainers": {k: trainer.state_dict() for k, trainer in self.trainers.items()},
             "pending": self.sync.state_dict(),
             "worker": self.sync.worker_state(self.rank) if own_worker else None,
             "round": self._state.local[self.rank].to_tensor(),
-            "batch": None if self.batch is None else self.batch.state_dict(),
+            "batch": None if self._batch is None else self._batch.state_dict(),
             "replica": self._replica_state() if own_worker else None,
             **self.rounds.state_dict(),
         }
@@ -89,14 +89,21 @@ class LoopState:
             raise ValueError(
                 f"this state holds no DiLoCo state of rank {self.global_rank} (keys: {sorted(state_dict)[:4]})"
             )
-        self._load_payload(state_dict[key])
+        self._load_payload(state_dict[key], check_order=True)
 
-    def _load_payload(self, payload: bytes) -> None:
+    def _load_payload(self, payload: bytes, check_order: bool = False) -> None:
         device = local_rows(self.params[0]).device
+        untouched = check_order and self._holds_construction_theta()  # before θ is replaced below, on every rank
         state = torch.load(io.BytesIO(payload), weights_only=True, map_location=onto_device_of_model(device))
         if state["world_size"] != self.world_size:
             raise ValueError(f"the state was saved by {state['world_size']} ranks; this job has {self.world_size}")
-        settings = _settings(self.config, self.shards, self.batch is not None)
+        if untouched and WorkerRound.from_tensor(state["round"]).steps:
+            raise ValueError(
+                "this DiLoCo state was saved mid-round and the model still holds rank 0's parameters, which "
+                "DiLoCo(...) gave every rank: load each rank's own model state after DiLoCo(...) is built and before "
+                "diloco.load_state_dict (in dcp.load, the model before the DiLoCo object)"
+            )
+        settings = _settings(self.config, self.shards, self._batch is not None)
         saved_settings = {**_SETTINGS_BEFORE, **state.get("settings", settings)}
         if saved_settings != settings:
             raise ValueError(f"the state was saved with other settings ({saved_settings}); now {settings}")
@@ -119,11 +126,23 @@ class LoopState:
         self._state = self._new_round()
         self._state.first_step = self.inner_step - len(in_progress.steps)
         self._state.local[self.rank] = in_progress
-        if self.batch is not None:
-            self.batch.load_state_dict(state["batch"])  # the round's plan and β2 follow the batch it holds
-            self.batch.first_step = self.round_step == 0
+        if self._batch is not None:
+            self._batch.load_state_dict(state["batch"])  # the round's plan and β2 follow the batch it holds
+            self._batch.first_step = self.round_step == 0
+            self._batch.round_steps = self.round_step
         if state.get("replica") is not None and self.replica is not None:
             self.replica.manager.load_state_dict(state["replica"])
+
+    def _holds_construction_theta(self) -> bool:
+        """Whether every rank's model of a DiLoCo that has not trained yet still holds the θ its construction gave
+        them all (rank 0's parameters): then each rank's own model state, if it was loaded, was loaded before
+        ``DiLoCo(...)`` and overwritten. Every rank must hold it: rank 0's own state is θ when a framework restored
+        rank 0's model everywhere first. One small collective, once at a resume; one rank alone keeps its own."""
+        if self.replica is not None or self.world_size == 1 or self.inner_step or self.rounds.count:
+            return False
+        pairs = zip(self.workers[self.rank].params, self.trainer.theta, strict=True)
+        mine = float(all(torch.equal(p, t.to(p.device)) for p, t in pairs))
+        return min(v[0] for v in self.comm.gather_worker_scalars({self.rank: [mine]}).values()) > 0
 
     @property
     def _state_key(self) -> str:

@@ -1,0 +1,120 @@
+"""What a user's loop is checked for before and while DiLoCo trains it: the optimizer and the job's layout, that
+every rank built the same model and DiLoCo (naming what differs) and ended with as many steps, optimizer steps DiLoCo
+did not see, and a finish() never called. Each refusal is one line on every rank."""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from adloco.api.rounds import LoopRounds
+from adloco.api.worker import WorkerShards
+from adloco.comm import Communicator
+from adloco.config import TrainConfig
+
+
+def job_fingerprint(
+    config: TrainConfig, rows: Sequence[torch.Tensor], shards: WorkerShards | None, check_finite: bool
+) -> dict[str, float]:
+    """What every rank must agree on, as it decides which collectives run, each under its name: the method, H,
+    fragments, codec, batch, trainers and merges, the health checks, each rank's model shapes and dtypes and which
+    shard of its worker it holds (the ranks that exchange hold the same rows of different workers)."""
+    batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.b_max)
+    merge = (config.trainers, config.merge.policy, config.merge.every, config.merge.group_size)
+    codec = (config.codec.name, config.codec.density, config.codec.value_bits, config.codec.chunk_size)
+    settings = {"method": config.method, "sync_every": config.sync_every, "streaming.fragments":
+                config.streaming.fragments, "codec": codec, "batch": batch, "trainers and merge": merge,
+                "check_finite": check_finite}  # fmt: skip
+    model = tuple((tuple(p.shape), str(p.dtype)) for p in rows)
+    shard = (1, 0) if shards is None else (shards.count, shards.index)
+    return {"shard": digest(shard), "model": digest((len(rows), sum(p.numel() for p in rows), model)),
+            **{name: digest(value) for name, value in settings.items()}}  # fmt: skip
+
+
+def digest(value: Any) -> float:
+    """A number that tells values apart alike in every process (unlike ``hash`` of text)."""
+    return float(int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:6], "big"))
+
+
+def check_optimizer(optimizer: Any, params: list[torch.Tensor]) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DiLoCo needs a torch.optim.Optimizer (the inner optimizer), got {type(optimizer).__name__}")
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    mine = {id(p) for p in params}
+    foreign = sum(id(p) not in mine for group in optimizer.param_groups for p in group["params"])
+    if foreign:
+        raise ValueError(f"the optimizer updates {foreign} tensor(s) that are not the model's trainable parameters")
+
+
+def check_layout(trainers: int, shards: WorkerShards | None, process_group: Any) -> None:
+    """What DiLoCo cannot take on with this job's layout, refused before it connects to anything."""
+    if trainers > 1 and (shards is not None or process_group is not None):
+        raise ValueError("several trainers take a job of one rank per worker over the default process group")
+
+
+def distributed_world_size(fault_tolerance: dict[str, Any] | None) -> int:
+    """The ranks of the job under torch.distributed (1 without it; a fault-tolerant replica's peers are no ranks)."""
+    import torch.distributed as dist
+
+    if fault_tolerance is not None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
+
+
+def check_same_job(comm: Communicator, rank: int, fingerprint: dict[str, float]) -> None:
+    """Every rank must hold a model of the same shapes and the same settings: refuse on every rank, naming what
+    differs (rather than hang in a collective only some reach, or average unlike tensors)."""
+    names = list(fingerprint)
+    seen = comm.gather_worker_scalars({rank: [fingerprint[n] for n in names]})
+    differ = [n for i, n in enumerate(names) if len({v[i] for v in seen.values()}) > 1]
+    if not differ:
+        return
+    if "shard" in differ:
+        raise ValueError(
+            "the ranks exchange shards of different rows of a sharded model: a sharded model's workers exchange over "
+            "the ranks holding the same shard (process_group=mesh['replicate'])"
+        )
+    if differ[0] == "model":
+        raise ValueError(
+            "the ranks hold different models (the shapes or dtypes of their trainable parameters): every rank must "
+            "build the same model"
+        )
+    raise ValueError(f"the ranks' DiLoCo settings differ in {', '.join(differ)}: every rank must build the same "
+                     "DiLoCo")  # fmt: skip
+
+
+class StepCount:
+    """A count of an optimizer's steps, bumped by its post-step hook."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def add(self, *_: object) -> None:
+        self.count += 1
+
+
+def warn_unfinished(rounds: LoopRounds) -> None:
+    if rounds.count:
+        warnings.warn(
+            f"adloco.DiLoCo: finish() was never called after {rounds.count} round(s): each rank's model is its own "
+            "worker's, not θ, and the ranks may end different; call diloco.finish() after the loop",
+            stacklevel=1,
+        )
+
+
+def check_same_steps(comm: Communicator, rank: int, steps: int) -> None:
+    """Every rank must end with as many inner steps: a rank ahead would end a round alone (its exchange meeting no
+    peer's), so compare the counts once, at ``finish()``, in one small collective, and refuse on every rank."""
+    seen = {w: int(v[0]) for w, v in comm.gather_worker_scalars({rank: [float(steps)]}).items()}
+    if len(set(seen.values())) > 1:
+        counts = ", ".join(f"rank {w}: {n}" for w, n in sorted(seen.items()))
+        raise RuntimeError(
+            f"the ranks took different numbers of optimizer steps ({counts}): every rank must take as many (end an "
+            "uneven epoch at the step all ranks reach; a GradScaler skips optimizer.step() on a rank that overflowed: "
+            "call diloco.step() after scaler.step(optimizer), not `with diloco:`; docs/own-loop.md)"
+        )

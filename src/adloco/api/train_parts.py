@@ -1,0 +1,73 @@
+"""``adloco train``'s own parts for a loop of one's own: the model, the inner optimizer, worker w's sample stream, the
+inner learning rate and DiLoCo's settings of a run's config, built by the functions ``adloco train`` builds them
+with. A loop made of them with ``adloco.DiLoCo`` ends on the bits of ``adloco train``'s run of the same config
+(``batched_workers=false``, one worker per rank)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from adloco.algorithms.schedules import inner_lr
+from adloco.config import TrainConfig, build_config
+
+if TYPE_CHECKING:  # the tasks load the model library: a plain loop never imports them
+    from adloco.tasks import Task
+
+
+@dataclass
+class TrainParts:
+    """One worker's parts of a run: ``config``, ``task`` (its loss: ``task.loss(model, inputs, targets)``),
+    ``model``, ``optimizer`` (the config's inner optimizer over it) and ``stream`` (``stream.next_batch(b)`` gives
+    the inputs and targets of b samples, as the worker of ``adloco train`` reads them)."""
+
+    config: TrainConfig
+    task: Task
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    stream: Any
+
+    def diloco_settings(self) -> dict[str, Any]:
+        """``DiLoCo``'s arguments from the config: ``DiLoCo(parts.model, parts.optimizer, **parts.diloco_settings())``
+        (AdLoCo: its batch section and the budget in samples)."""
+        config = self.config
+        settings: dict[str, Any] = {"sync_every": config.sync_every, "method": config.method,
+                                    "trainers": config.trainers}  # fmt: skip
+        for name in ("outer", "codec", "sync_auto", "merge"):
+            settings[name] = getattr(config, name).model_dump()
+        if config.method == "streaming":
+            settings["streaming"] = config.streaming.model_dump()
+        if config.method == "adloco":
+            settings.update(batch=config.batch.model_dump(), total_samples=config.total_tokens // self.task.context)
+        return settings
+
+    def lr(self, step: int, tokens: int) -> float:
+        """The inner lr of inner step ``step`` (0-based) when the job has read ``tokens`` of its ``total_tokens``
+        (over every worker): linear warm-up over ``inner.warmup_steps`` steps, then the cosine over the budget
+        counted from token 0."""
+        inner = self.config.inner
+        return inner_lr(step, tokens / self.config.total_tokens, inner.lr, inner.min_lr, inner.warmup_steps)
+
+    def set_lr(self, step: int, tokens: int) -> None:
+        """Set ``lr(step, tokens)`` on every parameter group of the optimizer (before its step)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr(step, tokens)
+
+
+def train_parts(overrides: Sequence[str] = (), worker: int = 0, workers: int = 1) -> TrainParts:
+    """Worker ``worker`` of ``workers``'s parts of the run ``adloco train`` would start with these ``key=value``
+    overrides (its tokenizer, data, model and optimizer; imported here, so that a plain loop does not load them)."""
+    from adloco.inner_optimizer import inner_optimizer
+    from adloco.placement import resolve_device
+    from adloco.precision import adamw_kernel
+    from adloco.training import tokenizer_and_task
+
+    config = build_config(overrides=list(overrides))
+    _, task = tokenizer_and_task(config, None)
+    device = resolve_device(config)
+    model = task.build_model(config.seed).to(device)
+    optimizer = inner_optimizer(model, config.inner, adamw_kernel(device))
+    return TrainParts(config, task, model, optimizer, task.worker_stream(config.seed, worker, workers))

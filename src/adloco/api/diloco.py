@@ -381,7 +381,11 @@ class DiLoCo(LoopState):
             self._outside(self._optimizer_steps.count - self._steps_seen, "after the last inner step")
         self._counting.remove()
         if self.replica is None and self.world_size > 1:
-            check_same_steps(self.comm, self.rank, self.inner_step)
+            try:
+                check_same_steps(self.comm, self.rank, self.inner_step)
+            except RuntimeError:
+                self.comm.close()  # as at the end below: no gloo thread may be left to release the group
+                raise
         if self.inner_step == 0:  # θ is the untrained start: setting the model to it would undo the loop's work
             raise RuntimeError(
                 "no round ran: enter `with diloco:` or call `diloco.step()` after each optimizer.step(); finish() "

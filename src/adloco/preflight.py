@@ -129,7 +129,7 @@ def check_run_root(config: TrainConfig, resume: Path | None) -> None:
         check_resumable(resume)
         return
     root = Path(config.run.root)
-    existing = next(p for p in (root, *root.parents) if p.exists() or p == Path(p.anchor or "."))
+    existing = next((p for p in (root, *root.parents) if p.exists()), Path("."))
     problem = "a file" if not existing.is_dir() else "" if os.access(existing, os.W_OK | os.X_OK) else "not writable"
     if problem:
         raise ConfigError(f"run directories cannot be created under run.root '{root}': '{existing}' is {problem}")

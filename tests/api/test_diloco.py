@@ -315,7 +315,7 @@ def test_a_state_is_refused_by_other_settings():
 
 
 def test_a_framework_wrapper_that_averages_gradients_is_refused():
-    from adloco.integrations.ddp import keep_gradients_local
+    from adloco.api.ddp import keep_gradients_local
 
     class FullyShardedDataParallel(torch.nn.Module):  # what FSDP's wrapper is called
         pass

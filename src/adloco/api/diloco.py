@@ -30,6 +30,7 @@ from adloco.api.checks import (
     job_fingerprint,
     warn_unfinished,
 )
+from adloco.api.ddp import local_model
 from adloco.api.loop_state import LoopState
 from adloco.api.replica import Replica
 from adloco.api.rounds import LoopRounds
@@ -37,7 +38,6 @@ from adloco.api.worker import LoopWorker, WorkerShards, finite, gradient_divisor
 from adloco.batch.policy import TrainerBatch
 from adloco.comm import Communicator, LocalCommunicator
 from adloco.config import ConfigError, TrainConfig, build_config
-from adloco.integrations.ddp import local_model
 from adloco.launcher import world_size_from_env
 from adloco.placement import placement
 from adloco.sync import (

@@ -28,7 +28,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import has_length
 
 from adloco.api import DiLoCo
-from adloco.integrations.ddp import keep_gradients_local
+from adloco.api.ddp import keep_gradients_local
 from adloco.integrations.replicas import (
     SkippedBatches,
     advance_schedules,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from adloco.api import DiLoCo
-from adloco.integrations.ddp import keep_gradients_local
+from adloco.api.ddp import keep_gradients_local
 from adloco.integrations.replicas import (
     SkippedBatches,
     advance_schedules,

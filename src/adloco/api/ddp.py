@@ -1,4 +1,4 @@
-"""A DDP communication hook that communicates nothing: a framework that wraps the model in
+"""A DDP communication hook that communicates nothing: a user's loop or a framework that wraps the model in
 ``DistributedDataParallel`` under torchrun (the HF ``Trainer``, Lightning's DDP strategies) keeps its wrapper and code
 paths, while each DiLoCo worker keeps its own gradients."""
 

@@ -72,15 +72,17 @@ def test_sharded_workers_in_one_process_are_one_line_before_a_run_directory(tmp_
 
 
 def test_a_torchrun_job_the_ranks_cannot_hold_stops_with_one_line_per_rank(tmp_path):
-    """Each rank says it, once, and exits 2 before a run directory is made (one refusal under torchrun stands for
-    them all: check_world's others are checked in process above)."""
+    """Each rank that speaks says it, once, and exits 2 before a run directory is made (one refusal under torchrun
+    stands for them all: check_world's others are checked in process above). The check runs before torch is
+    imported, in a fraction of a second: torchrun stops the other ranks as soon as the first exits, so whether a
+    second rank gets to print its line is a race."""
     ranks, overrides = 2, ["elastic=true", "workers=4"]
     line = "adloco: error: workers=4: an elastic job has one worker per rank slot"
     command = _torchrun_command(ranks, layered(FAST, overrides, [f"run.root={tmp_path / 'runs'}"]))
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120, env=_env())
     assert result.returncode != 0
     ours = [text for text in result.stderr.splitlines() if text.startswith("adloco:")]
-    assert len(ours) == ranks and all(text.startswith(line) for text in ours), result.stderr[-2000:]
+    assert 1 <= len(ours) <= ranks and all(text.startswith(line) for text in ours), result.stderr[-2000:]
     assert "ZeroDivisionError" not in result.stderr and "lost contact" not in result.stderr
     assert "exitcode: 2" in result.stderr  # a config error, not a crash
     assert not Path(tmp_path / "runs").exists()  # refused before a run directory was made

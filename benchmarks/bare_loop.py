@@ -16,9 +16,9 @@ import torch
 
 from adloco.config import InnerConfig
 from adloco.data import Corpus, TokenStream, get_tokenizer
-from adloco.model import build_model, next_token_loss, preset_config
+from adloco.models.build import build_model, next_token_loss, preset_config
 
-# The stream seed adloco gives worker 0 with seed 0 (see cluster.py).
+# The stream seed adloco gives worker 0 with seed 0 (see adloco/cluster/cluster.py).
 STREAM_SEED = 0
 
 

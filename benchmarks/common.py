@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import adloco
-from adloco.config_input import layered
+from adloco.config.input import layered
 
 ROOT = Path(__file__).resolve().parents[1]
 ANCHOR_TOKENS = 1_536_000

@@ -27,9 +27,9 @@ import torch
 
 import adloco
 from adloco.config import ConfigError
-from adloco.config_input import layered
+from adloco.config.input import layered
 from adloco.data import DataError
-from adloco.estimate import MIN_CALIBRATION, estimate, load_rounds
+from adloco.tools.estimate import MIN_CALIBRATION, estimate, load_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "estimate.md"

@@ -81,8 +81,8 @@ def token_folder(path: Path, tokens: int, vocab: int) -> Path:
 def bare_loop(folder: Path, s: dict) -> dict:
     """The training step without adloco: tokens/s, MFU, peak memory and the share of a step spent reading data."""
     from adloco.data import TokenWindows
-    from adloco.model import build_model, flops_per_token_of, next_token_loss, preset_config
-    from adloco.precision import autocast_for, peak_flops
+    from adloco.models.build import build_model, flops_per_token_of, next_token_loss, preset_config
+    from adloco.models.precision import autocast_for, peak_flops
 
     device = torch.device(s["device"])
     if device.type == "cuda":
@@ -91,7 +91,7 @@ def bare_loop(folder: Path, s: dict) -> dict:
 
     vocab = read_manifest(folder).vocab_size
     model = build_model(preset_config(s["preset"], vocab, s["context"]), seed=0).to(device)
-    from adloco.precision import adamw_kernel
+    from adloco.models.precision import adamw_kernel
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1, **adamw_kernel(device))
     step_loss = torch.compile(lambda x, y: next_token_loss(model, x, y)) if s["compile"] else None
@@ -152,7 +152,7 @@ def adloco_row(folder: Path, s: dict, overrides: list[str], root: Path, name: st
                f"run.root={root}", f"run.name={name}", *overrides]  # fmt: skip
     if s["device"] == "cpu":  # a nominal peak, so that the MFU path runs; in this process (a CPU runs one thing)
         from adloco.config import build_config
-        from adloco.training import train
+        from adloco.run.training import train
 
         train(build_config(overrides=[*command[4:], "run.peak_tflops=0.1"]))
     else:  # a process of its own: the GPU's memory and compiled kernels start clean for every row

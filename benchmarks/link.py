@@ -43,7 +43,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from adloco.config_input import layered
+from adloco.config.input import layered
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "results" / "link-and-peers.md"

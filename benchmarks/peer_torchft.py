@@ -44,13 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ when imp
 from common import free_port  # noqa: E402 - after the path
 from link import machine, publish  # noqa: E402
 
-from adloco.config_input import layered
+from adloco.config.input import layered
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "results" / "link-and-peers.md"
 RESULTS = ROOT / "benchmarks" / "results" / "peer_torchft.json"
 BEGIN, END = "<!-- torchft:begin -->", "<!-- torchft:end -->"
-STREAM_SEED_STRIDE = 1_000_003  # adloco.cluster: worker w of seed s reads stream s * stride + w
+STREAM_SEED_STRIDE = 1_000_003  # adloco.cluster.cluster: worker w of seed s reads stream s * stride + w
 
 # The run both sides share (adloco's keys); the torchft side reads its settings from the same config object.
 BASE = [
@@ -115,7 +115,7 @@ def run_adloco(overrides: list[str], root: Path, name: str, timeout_s: float) ->
 def _task(config: Any) -> Any:
     """adloco's language-modelling task for ``config``, built as ``adloco train`` builds it."""
     from adloco.data import build_tokenizer, load_corpus, source_from_config, training_texts
-    from adloco.tasks import build_task
+    from adloco.workers.tasks import build_task
 
     source = source_from_config(config.data)
     tokenizer = build_tokenizer(config.data, training_texts(config.data, source))
@@ -132,7 +132,7 @@ def replica_main(replica: int, lighthouse: str, overrides: list[str], out: Path)
 
     from adloco.algorithms.schedules import inner_lr
     from adloco.config import build_config
-    from adloco.worker import Worker
+    from adloco.workers.worker import Worker
 
     config = build_config(overrides=overrides)
     torch.set_num_threads(config.threads or 1)

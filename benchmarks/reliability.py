@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from adloco.checkpoint import list_checkpoints  # noqa: E402
-from adloco.config_input import layered  # noqa: E402
+from adloco.config.input import layered  # noqa: E402
 
 # Overrides of the kill -9 trials: tiny LLaMA at context 16, a checkpoint every round, one thread.
 KILL_RUN = [
@@ -139,7 +139,7 @@ class Fuzzer:
 
     def __init__(self, seed: int, work: Path) -> None:
         from adloco.config import build_config
-        from adloco.training import train
+        from adloco.run.training import train
         from tests.test_fuzz import KEYS, NASTY, RUN, _garbage_dirs, _micro_llama
 
         self.rng = random.Random(seed)
@@ -259,8 +259,8 @@ class Fuzzer:
         """The classes of mistake a new user's audit found: empty values, repeated keys, YAML aliases (bombs and
         self-references), and shard/rank arithmetic against a torchrun world."""
         from adloco.cli import main
+        from adloco.cluster.placement import check_world
         from adloco.config import ConfigError, build_config, load_config
-        from adloco.placement import check_world
 
         rng = self.rng
         kind = rng.choice(["empty", "repeated", "aliases", "arithmetic"])
@@ -422,7 +422,7 @@ def fuzz(inputs: int, seed: int, subprocess_sample: int, work: Path) -> dict[str
 
 def kill_trials(trials: int, seed: int, work: Path, checkpoint_format: str = "file") -> list[dict[str, Any]]:
     from adloco.config import build_config
-    from adloco.training import train
+    from adloco.run.training import train
 
     run = [*KILL_RUN, f"checkpoint.format={checkpoint_format}"]
     with warnings.catch_warnings():

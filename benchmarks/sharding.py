@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from common import environment, free_port
 
-from adloco.metrics import read_metrics
-from adloco.model import PRESETS, build_model, preset_config
-from adloco.preflight import estimate_memory
+from adloco.metrics.writer import read_metrics
+from adloco.models.build import PRESETS, build_model, preset_config
+from adloco.run.preflight import estimate_memory
 
 RESULTS = Path(__file__).parent / "results" / "sharding.json"
 RUN = ["method=diloco", "workers=2", "sync_every=2", "batch.size=2", "threads=1", "checkpoint.format=sharded",

@@ -50,7 +50,7 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 def adloco_process(*args: str, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python -m adloco ARGS`` in a process of its own, as a user at a shell runs it; the ``key=value`` items are
     laid over each other as a script building its command line would (``layered``)."""
-    from adloco.config_input import layered
+    from adloco.config.input import layered
 
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     command = [sys.executable, "-m", "adloco", *layered(list(args))]

@@ -3,9 +3,9 @@
 import pytest
 
 from adloco import build_config, train
-from adloco.batch.rounds import auto_sync_every
+from adloco.cluster.batches import auto_sync_every
 from adloco.config import ConfigError
-from adloco.records import read_metrics
+from adloco.metrics.records import read_metrics
 from tests.conftest import PINNED_PACE
 
 

@@ -5,8 +5,8 @@ import pytest
 
 from adloco.cli import main
 from adloco.config import build_config
-from adloco.config_input import layered
-from adloco.training import train
+from adloco.config.input import layered
+from adloco.run.training import train
 from tests.conftest import FAST, adloco_process
 
 

@@ -17,10 +17,10 @@ import yaml
 from adloco.checkpoint import list_checkpoints
 from adloco.cli import main
 from adloco.config import ConfigError, build_config, load_config
-from adloco.config_input import layered
-from adloco.preflight import check_memory, estimate_memory
-from adloco.runs import RUNNING_FILE, lock_run
-from adloco.training import train
+from adloco.config.input import layered
+from adloco.run.preflight import check_memory, estimate_memory
+from adloco.run.runs import RUNNING_FILE, lock_run
+from adloco.run.training import train
 from benchmarks.reliability import final_params
 from tests.conftest import FAST, adloco_process
 
@@ -85,8 +85,8 @@ def test_a_rank_that_cannot_hold_its_workers_is_refused_before_building_them(tmp
 
 
 def test_the_memory_preflight_comes_before_any_model_is_built(tmp_path, capsys, monkeypatch):
-    from adloco import preflight
-    from adloco.tasks import Task
+    from adloco.run import preflight
+    from adloco.workers.tasks import Task
 
     def built(*_):
         raise AssertionError("a model was built before the memory preflight")
@@ -132,7 +132,7 @@ def test_piped_training_prints_the_run_folder_first_then_plain_progress_lines(tm
 def test_the_bar_stays_readable_at_80_columns():
     from rich.console import Console
 
-    from adloco.metrics import RunDisplay
+    from adloco.metrics.writer import RunDisplay
 
     console = Console(width=80, force_terminal=True, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
     with RunDisplay(console, "diloco", total=1_536_000, done=0, enabled=True, every_s=1e9, log=lambda line: None) as d:
@@ -147,7 +147,7 @@ def test_the_bar_stays_readable_at_80_columns():
 
 def test_a_run_folder_has_one_live_trainer_and_a_dead_ones_lock_is_taken_over(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from adloco.runs import lock_run; from pathlib import Path; "
+        [sys.executable, "-c", "import sys, time; from adloco.run.runs import lock_run; from pathlib import Path; "
          "lock_run(Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)", str(tmp_path)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -381,7 +381,7 @@ def test_a_damaged_newest_checkpoint_is_reported_on_the_console_and_an_older_one
 
 
 def test_runs_counts_tokens_as_the_bar_does():
-    from adloco.runs import RunSummary, _tokens_text
+    from adloco.run.runs import RunSummary, _tokens_text
 
     summary = RunSummary("r", "r", "diloco", "finished", 20_736, 20_000, rounds=1, val_loss=None, modified=0.0)
     assert _tokens_text(summary) == "20.7k/20k"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from adloco.records import read_metrics
+from adloco.metrics.records import read_metrics
 from tests.api.test_replica import needs_torchft
 from tests.comm.test_distributed import _env, _free_port
 from tests.conftest import FAST, final_params, process_tree, same_params

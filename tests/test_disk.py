@@ -17,13 +17,13 @@ import torch
 from safetensors.torch import load_file
 
 import adloco.checkpoint
-import adloco.training
+import adloco.run.training
 from adloco.checkpoint import MANIFEST, list_checkpoints, read_manifest
 from adloco.cli import main
 from adloco.config import build_config
-from adloco.config_input import layered
-from adloco.metrics import MetricsWriter
-from adloco.training import train
+from adloco.config.input import layered
+from adloco.metrics.writer import MetricsWriter
+from adloco.run.training import train
 from tests.conftest import FAST
 from tests.test_fuzz import _micro_llama
 
@@ -255,7 +255,7 @@ def _fill(folder: Path) -> Path:
 
 
 def test_real_full_disk_at_a_checkpoint_write(small_tmpfs, capsys, monkeypatch, model_path, reference):
-    real_save = adloco.training.save_checkpoint
+    real_save = adloco.run.training.save_checkpoint
     state = {"saves": 0, "filler": None}
 
     def save_on_a_filling_disk(directory, *args, **kwargs):
@@ -264,7 +264,7 @@ def test_real_full_disk_at_a_checkpoint_write(small_tmpfs, capsys, monkeypatch, 
             state["filler"] = _fill(small_tmpfs)
         return real_save(directory, *args, **kwargs)
 
-    monkeypatch.setattr(adloco.training, "save_checkpoint", save_on_a_filling_disk)
+    monkeypatch.setattr(adloco.run.training, "save_checkpoint", save_on_a_filling_disk)
     code, err = _cli(_args(model_path, small_tmpfs), capsys)
     assert code == 1
     _assert_one_line(err, "adloco: error: no space left on device while writing checkpoint")

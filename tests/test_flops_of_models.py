@@ -3,8 +3,8 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from adloco.model import flops_per_token_of, preset_config
-from adloco.precision import compute_dtype, peak_flops
+from adloco.models.build import flops_per_token_of, preset_config
+from adloco.models.precision import compute_dtype, peak_flops
 
 
 def test_llama_125m_has_gpt2_smalls_shape_and_its_flops():

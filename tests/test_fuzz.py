@@ -21,11 +21,11 @@ from pydantic import BaseModel
 
 from adloco.checkpoint import MANIFEST, list_checkpoints
 from adloco.cli import main
+from adloco.cluster.placement import check_world, hosted_workers
 from adloco.config import ConfigError, TrainConfig, build_config, load_config
-from adloco.config_input import reject_repeated
+from adloco.config.input import reject_repeated
 from adloco.data import ByteTokenizer, Corpus, DataError
-from adloco.placement import check_world, hosted_workers
-from adloco.training import train
+from adloco.run.training import train
 from tests.conftest import FAST
 
 FUZZ = settings(

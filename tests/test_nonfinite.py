@@ -8,10 +8,10 @@ import torch
 
 from adloco.checkpoint import latest_checkpoint
 from adloco.config import build_config
-from adloco.metrics import read_metrics
-from adloco.training import NonFiniteError, train
-from adloco.worker import Worker
-from adloco.worker_group import WorkerGroup
+from adloco.metrics.writer import read_metrics
+from adloco.run.training import NonFiniteError, train
+from adloco.workers.group import WorkerGroup
+from adloco.workers.worker import Worker
 
 
 def _poison(monkeypatch, should_fail):

@@ -7,10 +7,10 @@ from adloco.algorithms.batch_tests import BatchSizeController
 from adloco.batch.policy import TrainerBatch
 from adloco.comm import LocalCommunicator
 from adloco.config import ConfigError, build_config
-from adloco.metrics import read_metrics
+from adloco.metrics.writer import read_metrics
+from adloco.run.training import train
 from adloco.sync import DeltaExchange, OverlappedSync, RoundState, StepRecord, WorkerRound
-from adloco.trainer import Trainer
-from adloco.training import train
+from adloco.sync.trainer import Trainer
 from tests.conftest import cut_back, final_params, same_params
 
 

@@ -5,10 +5,10 @@ import torch
 
 from adloco.algorithms.sparse import TopKCodec
 from adloco.config import ConfigError, build_config
-from adloco.metrics import read_metrics
-from adloco.model import build_model, preset_config
+from adloco.metrics.writer import read_metrics
+from adloco.models.build import build_model, preset_config
+from adloco.run.training import train
 from adloco.sync.streaming import parameter_fragments
-from adloco.training import train
 from tests.conftest import cut_back, final_params, same_params
 
 STREAM = ["method=streaming", "sync_every=4", "streaming.fragments=2", "streaming.overlap=1", "total_tokens=1024"]

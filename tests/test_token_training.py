@@ -14,16 +14,16 @@ from rich.console import Console
 
 from adloco import DiLoCo
 from adloco.checkpoint import list_checkpoints
-from adloco.cluster import Cluster
+from adloco.cluster.cluster import Cluster
 from adloco.comm import LocalCommunicator
 from adloco.config import build_config
-from adloco.config_input import layered
+from adloco.config.input import layered
 from adloco.data import TokenWindows
 from adloco.data.prepare import PrepareSettings, prepare
 from adloco.data.sampling import WindowCursor
 from adloco.errors import DataError
-from adloco.metrics import read_metrics
-from adloco.training import tokenizer_and_task, train
+from adloco.metrics.writer import read_metrics
+from adloco.run.training import tokenizer_and_task, train
 from tests.conftest import FAST, PINNED_PACE, adloco_process, final_params, same_params
 
 QUIET = Console(quiet=True)
@@ -150,7 +150,7 @@ def test_a_users_loop_reads_the_windows_adloco_train_reads(corpus):
 def test_under_several_ranks_the_regroup_pools_what_each_rank_read(corpus, monkeypatch):
     """A rank holds the saved states of its own workers (and the retiring ones); the ends are pooled over the ranks
     before every rank computes the same new base."""
-    from adloco import cluster_state
+    from adloco.cluster import state as cluster_state
 
     four = _cluster(corpus, 4)
     for w, worker in four.workers.items():

@@ -21,7 +21,7 @@ __all__ = [
 if TYPE_CHECKING:
     from adloco.api import DiLoCo, Muon, MuonWithAdamW, end_process_group, hidden_matrices, train_parts
     from adloco.config import TrainConfig, build_config, load_config
-    from adloco.training import TrainResult, train
+    from adloco.run.training import TrainResult, train
 
 
 def __getattr__(name: str) -> Any:
@@ -35,7 +35,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(api, name)
     if name in ("train", "TrainResult"):
-        from adloco import training
+        from adloco.run import training
 
         return getattr(training, name)
     raise AttributeError(f"module 'adloco' has no attribute {name!r}")

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 def _command(args: argparse.Namespace) -> int:
     from adloco.config import load_config
     from adloco.errors import CheckpointError, ConfigError, DataError
-    from adloco.stopping import Stopped
+    from adloco.run.stopping import Stopped
 
     try:
         if args.command == "train":
@@ -224,7 +224,7 @@ def _command(args: argparse.Namespace) -> int:
         if args.command == "estimate":
             return _estimate(args)
         if args.command == "lighthouse":
-            from adloco.lighthouse import serve
+            from adloco.replicas.lighthouse import serve
 
             return serve(args.host, args.port, args.min_replicas, args.join_timeout, args.heartbeat_timeout)
     except (ConfigError, DataError, CheckpointError) as error:
@@ -233,7 +233,7 @@ def _command(args: argparse.Namespace) -> int:
     except RuntimeError as error:
         from adloco.comm.distributed import launched_by_torchrun
         from adloco.errors import StorageError
-        from adloco.training import NonFiniteError
+        from adloco.run.training import NonFiniteError
 
         if isinstance(error, NonFiniteError | StorageError):  # runtime failures: exit code 1
             print(f"adloco: error: {_one_line(error)}", file=sys.stderr)
@@ -297,7 +297,7 @@ def _runs(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from adloco.runs import find_runs, runs_table
+    from adloco.run.runs import find_runs, runs_table
 
     root = Path(args.root)
     runs = find_runs(root)
@@ -317,7 +317,7 @@ def _estimate(args: argparse.Namespace) -> int:
     import json
 
     from adloco.data import DataError
-    from adloco.estimate import estimate, format_estimate, unreachable_message
+    from adloco.tools.estimate import estimate, format_estimate, unreachable_message
 
     result = estimate(Path(args.run_dir), args.target, args.calibrate_rounds, args.trainer)
     if not result["prediction"]["reachable"]:  # a question without an answer, like any other bad input
@@ -332,10 +332,10 @@ def _use_run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():  # before torch is imported: a typo is answered at once
         raise CheckpointError(f"run directory '{run_dir}' does not exist")
-    from adloco.inference import evaluate_final, sample_stream
+    from adloco.tools.inference import evaluate_final, sample_stream
 
     if args.command == "plot":
-        from adloco.plots import plot_run
+        from adloco.metrics.plots import plot_run
 
         for path in plot_run(run_dir):
             print(path)
@@ -357,7 +357,7 @@ def _use_run(args: argparse.Namespace) -> int:
 def _gradients(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from adloco.gradients import analyze, parse_batch_sizes, parse_checkpoint, print_report
+    from adloco.tools.gradients import analyze, parse_batch_sizes, parse_checkpoint, print_report
 
     report = analyze(
         Path(args.run_dir),
@@ -397,7 +397,7 @@ def _train(args: argparse.Namespace, load_config) -> int:
     from rich.console import Console
 
     from adloco.config import ConfigError
-    from adloco.config_input import reject_repeated
+    from adloco.config.input import reject_repeated
 
     config_file, overrides = _split_items(args.items)
     if config_file is not None:
@@ -431,13 +431,13 @@ def _train(args: argparse.Namespace, load_config) -> int:
         return 0
     if args.quiet:
         config.run.progress = False
-    from adloco.preflight import check_inputs
+    from adloco.run.preflight import check_inputs
 
     check_inputs(config, run_dir)  # before torch is imported: a wrong path or world is said in a second
     console = Console(stderr=True)
     if config.fault_tolerance.lighthouse is not None:
         return _train_replica(config, run_dir, console, args.verbose)
-    from adloco.training import train
+    from adloco.run.training import train
 
     with _verbose_log(console) if args.verbose else contextlib.nullcontext():
         result = train(config, resume=run_dir, console=console)
@@ -458,8 +458,8 @@ def _train_replica(config, resume: Path | None, console, verbose: bool) -> int:
     import torch
 
     from adloco.comm.distributed import launched_by_torchrun
-    from adloco.replica_training import check_replica_run, train_replica
-    from adloco.training import tokenizer_and_task
+    from adloco.replicas.training import check_replica_run, train_replica
+    from adloco.run.training import tokenizer_and_task
 
     check_replica_run(config, resume, launched_by_torchrun())
     if config.threads:
@@ -470,7 +470,7 @@ def _train_replica(config, resume: Path | None, console, verbose: bool) -> int:
             result = train_replica(config, task, tokenizer, console)
     except (RuntimeError, TimeoutError) as error:
         from adloco.errors import StorageError
-        from adloco.training import NonFiniteError
+        from adloco.run.training import NonFiniteError
 
         if isinstance(error, NonFiniteError | StorageError):
             raise

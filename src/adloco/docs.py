@@ -248,22 +248,27 @@ def _summary(path: Path) -> str:
 
 
 def code_map() -> str:
-    """Every module of the package with its one-line purpose, in tree order."""
+    """Every module of the package with its one-line purpose, grouped by package (the package's own purpose first)."""
     package = Path(__file__).resolve().parent
     lines = [CODE_MAP_BEGIN, "```"]
-    for path in sorted(package.rglob("*.py"), key=lambda p: (p.parent != package, str(p.relative_to(package)))):
-        if path.name == "__main__.py":
-            continue
-        name = str(path.relative_to(package))
-        lines.append(f"{name:<26}{_summary(path)}")
+    top = [p for p in sorted(package.glob("*.py")) if p.name != "__main__.py"]
+    lines += [f"{p.name:<28}{_summary(p)}" for p in top]
+    for folder in sorted(d for d in package.iterdir() if (d / "__init__.py").is_file()):
+        lines += ["", f"{folder.name + '/':<28}{_summary(folder / '__init__.py')}"]
+        modules = sorted(p for p in folder.glob("*.py") if p.name != "__init__.py")
+        lines += [f"  {p.name:<26}{_summary(p)}" for p in modules]
     return "\n".join([*lines, "```", CODE_MAP_END])
 
 
 def write(folder: Path) -> None:
-    """Write every generated page into ``folder`` (the checkout's docs/)."""
+    """Write every generated page into ``folder`` (the checkout's docs/), and the code map into its design notes."""
     for name, text in generated_pages().items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text, encoding="utf-8")
+    design = folder / "design.md"  # the code map is a block inside a written page
+    page = design.read_text(encoding="utf-8")
+    begin, end = page.index(CODE_MAP_BEGIN), page.index(CODE_MAP_END) + len(CODE_MAP_END)
+    design.write_text(page[:begin] + code_map() + page[end:], encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def test_the_state_round_trips_and_the_planner_follows_the_step_time():
 
 def test_a_peers_time_between_rounds_is_not_taken_for_the_exchange():
     from adloco.sync import WorkerRound
-    from adloco.sync.rounds import exchange_time
+    from adloco.workers.reports import exchange_time
 
     # rank 0 evaluated for 2 s before the round; rank 1 spent those 2 s waiting at the exchange
     waiting = [

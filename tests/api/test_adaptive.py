@@ -151,7 +151,7 @@ def test_what_a_users_loop_cannot_do_is_one_clear_error():
 def test_a_worker_absent_from_the_round_counts_no_samples_and_no_statistics():
     """A fault-tolerant replica missing from a round's exchange (its report the absent one) read nothing: the
     budget counts the present workers' samples only, and the batch test decides from theirs."""
-    from adloco.sync.rounds import RoundState, WorkerRound, absent_report
+    from adloco.workers.reports import RoundState, WorkerRound, absent_report
 
     model = _model()
     diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, "adloco", batch={"size": 3})

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from adloco import DiLoCo, MuonWithAdamW, hidden_matrices
 from adloco.config import ConfigError
-from adloco.config_input import layered
+from adloco.config.input import layered
 from tests.comm.test_distributed import _env, _free_port, _torchrun
 from tests.conftest import PINNED_PACE, final_params
 
@@ -53,7 +53,7 @@ def _loop(tmp_path: Path, out: Path, settings: list[str], *flags: str, script: P
         # the loop clips before the hook averages the gradients, adloco train after: without clipping they agree
         (["method=ddp", "inner.clip=null", "total_tokens=512"], [], None),
         # (the time-aware controller at a fixed H on pinned costs: adloco train's replicas, which run this loop's
-        # DiLoCo, against its plain run in tests/test_replica_training.py)
+        # DiLoCo, against its plain run in tests/replicas/test_training.py)
         # two trainers of one worker each, their own batch tests (b 3 and 15), merged after round 2 (weights by b)
         (MERGES, [], None),
         # b and H chosen together: each candidate b weighed at the H the rule would choose (pinned costs)

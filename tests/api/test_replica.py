@@ -21,7 +21,7 @@ import torch
 from adloco import DiLoCo, build_config
 from adloco.comm.replicas import ReplicaCommunicator, pack_slot, unpack_slots
 from adloco.config import ConfigError
-from adloco.replica_training import check_replica_run
+from adloco.replicas.training import check_replica_run
 from tests.comm.test_distributed import _env, _free_port
 from tests.conftest import FAST, adloco_process
 

@@ -6,8 +6,8 @@ import pytest
 
 from adloco.algorithms.batch_tests import BatchSizeController, GradientStatistics
 from adloco.algorithms.controller import StepCost, TimeAwareController, fastest_batch, resolvable_noise_scale
+from adloco.batch.pace import Pace
 from adloco.batch.policy import TrainerBatch
-from adloco.pace import Pace
 
 COST = StepCost(0.03, 0.008)  # a step of b samples: 30 ms + 8 ms per sample
 LIMIT = 33

@@ -16,7 +16,7 @@ from adloco.checkpoint import (
     save_checkpoint,
 )
 from adloco.config import build_config
-from adloco.training import train
+from adloco.run.training import train
 from benchmarks.reliability import kill_9_trial
 from tests.conftest import FAST, final_params
 

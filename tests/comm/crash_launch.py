@@ -10,7 +10,7 @@ import sys
 
 from adloco.cli import main
 from adloco.comm.distributed import restart_attempt
-from adloco.worker import Worker
+from adloco.workers.worker import Worker
 
 CRASH_AFTER_STEP, CRASH_RANK = "ADLOCO_TEST_CRASH_AFTER_STEP", "ADLOCO_TEST_CRASH_RANK"
 

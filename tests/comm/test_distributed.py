@@ -13,10 +13,10 @@ import torch
 from adloco.algorithms.sharding import ShardLayout
 from adloco.checkpoint import list_checkpoints, load_checkpoint
 from adloco.config import build_config, resume_config
-from adloco.config_input import layered
-from adloco.gradients import load_parameters
-from adloco.metrics import read_metrics
-from adloco.training import train
+from adloco.config.input import layered
+from adloco.metrics.writer import read_metrics
+from adloco.run.training import train
+from adloco.tools.gradients import load_parameters
 from tests.conftest import PINNED_PACE, cut_back, final_params, same_params
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from adloco.checkpoint import list_checkpoints
+from adloco.cluster.placement import resolve_device
 from adloco.comm import LocalCommunicator
 from adloco.comm.distributed import job_key
 from adloco.config import ConfigError, build_config
-from adloco.metrics import read_metrics
-from adloco.placement import resolve_device
-from adloco.run_dir import JOBS_DIR, restart_plan
-from adloco.training import train
+from adloco.metrics.writer import read_metrics
+from adloco.run.directory import JOBS_DIR, restart_plan
+from adloco.run.training import train
 from tests.comm.crash_launch import CRASH_AFTER_STEP, CRASH_RANK
 from tests.conftest import final_params, same_params
 

@@ -5,8 +5,8 @@ import torch
 
 from adloco.checkpoint import list_checkpoints
 from adloco.config import build_config
-from adloco.inference import evaluate_run, sample
-from adloco.training import train
+from adloco.run.training import train
+from adloco.tools.inference import evaluate_run, sample
 from tests.conftest import FAST, cut_back, final_params
 from tests.data.helpers import write_jsonl, write_parquet
 

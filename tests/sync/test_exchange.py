@@ -7,7 +7,7 @@ from adloco.algorithms.codecs import get_codec
 from adloco.batch.policy import TrainerBatch
 from adloco.comm import LocalCommunicator
 from adloco.sync import DeltaExchange, WorkerRound
-from adloco.trainer import Trainer
+from adloco.sync.trainer import Trainer
 
 
 class _Slot:
@@ -90,7 +90,7 @@ class _EveryoneGone(LocalCommunicator):
 
 
 def test_an_exchange_nobody_was_present_at_is_dropped_and_changes_no_fragment():
-    from adloco.config_sections import StreamingConfig
+    from adloco.config.sections import StreamingConfig
     from adloco.sync.streaming import StreamingSync
 
     slots = {0: _Slot(-1.0), 1: _Slot(-2.0), 2: _Slot(-3.0)}
@@ -112,7 +112,7 @@ def test_an_exchange_nobody_was_present_at_is_dropped_and_changes_no_fragment():
 def test_an_eager_worker_takes_back_its_share_of_a_dropped_exchange():
     """Overlapped DiLoCo with eager updates: a worker steps its own copy with its share of the mean at once; when
     that exchange is dropped (every try failed) no mean arrives a round later, and its share comes back out."""
-    from adloco.config_sections import OuterConfig
+    from adloco.config.sections import OuterConfig
     from adloco.sync.overlapped import EagerCopy, OverlappedSync
 
     slots = {0: _Slot(-1.0), 1: _Slot(-2.0), 2: _Slot(-3.0)}

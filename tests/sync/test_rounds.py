@@ -8,7 +8,7 @@ import torch
 from adloco.algorithms.batch_tests import GradientStatistics
 from adloco.comm.base import pack_report, unpack_report
 from adloco.sync.ddp import DDPSync
-from adloco.sync.rounds import BoundaryRequest, RoundState, StepRecord, WorkerRound, joined
+from adloco.workers.reports import BoundaryRequest, RoundState, StepRecord, WorkerRound, joined
 
 
 def _report():

@@ -29,15 +29,15 @@ from adloco.algorithms.sharding import local_rows, sharded_like
 from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches, split_evenly
 from adloco.api.rounds import LoopRounds
 from adloco.api.worker import WorkerShards
+from adloco.batch.pace import CostModel, Pace, pinned_costs
 from adloco.batch.policy import TrainerBatch, pace_for
-from adloco.batch.rounds import pinned_seconds
+from adloco.cluster.batches import pinned_seconds
 from adloco.config import BatchConfig, ConfigError
 from adloco.data.windows import TokenWindows, WindowSampler
-from adloco.pace import CostModel, Pace, pinned_costs
-from adloco.sharded_worker import backward_shard
 from adloco.sync import RoundState, WorkerRound
-from adloco.trainer import Trainer
-from adloco.worker import backward_in_groups, backward_in_micro_batches
+from adloco.sync.trainer import Trainer
+from adloco.workers.sharded import backward_shard
+from adloco.workers.worker import backward_in_groups, backward_in_micro_batches
 
 
 class AdaptiveBatch:

@@ -36,10 +36,11 @@ from adloco.api.replica import Replica
 from adloco.api.rounds import LoopRounds
 from adloco.api.worker import LoopWorker, WorkerShards, finite, gradient_divisor, worker_shards
 from adloco.batch.policy import TrainerBatch
+from adloco.cluster.placement import placement
+from adloco.cluster.trainers import MergeEvent, maybe_merge, synchronize
 from adloco.comm import Communicator, LocalCommunicator
+from adloco.comm.launcher import world_size_from_env
 from adloco.config import ConfigError, TrainConfig, build_config
-from adloco.launcher import world_size_from_env
-from adloco.placement import placement
 from adloco.sync import (
     RoundState,
     StepRecord,
@@ -49,10 +50,9 @@ from adloco.sync import (
     build_strategy,
     outer_factory,
 )
-from adloco.sync.rounds import SKIPPED_STEP
 from adloco.sync.streaming import parameter_fragments
-from adloco.trainer import Trainer, theta_device
-from adloco.trainer_sync import MergeEvent, maybe_merge, synchronize
+from adloco.sync.trainer import Trainer, theta_device
+from adloco.workers.reports import SKIPPED_STEP
 
 METHODS = ("diloco", "localsgd", "streaming", "ddp", "adloco")
 

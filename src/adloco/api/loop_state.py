@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from adloco.algorithms.sharding import local_rows
-from adloco.sync.rounds import WorkerRound
+from adloco.workers.reports import WorkerRound
 
 if TYPE_CHECKING:
     from adloco.api.replica import Replica

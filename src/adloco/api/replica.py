@@ -26,7 +26,7 @@ import torch
 
 from adloco.api.worker import WorkerShards
 from adloco.comm.replicas import ReplicaCommunicator
-from adloco.config_sections import FaultToleranceConfig
+from adloco.config.sections import FaultToleranceConfig
 
 log = logging.getLogger("adloco")
 

@@ -12,11 +12,11 @@ from typing import Any
 
 from adloco.algorithms.sync_every import SyncDecision, dispersion
 from adloco.api.worker import WorkerShards
-from adloco.batch.rounds import auto_sync_every, busiest_rank, next_sync_every
+from adloco.cluster.batches import auto_sync_every, busiest_rank, next_sync_every
 from adloco.config import TrainConfig
 from adloco.sync import RoundState, SyncStrategy, WorkerRound
-from adloco.sync.rounds import exchange_time
-from adloco.trainer import Trainer
+from adloco.sync.trainer import Trainer
+from adloco.workers.reports import exchange_time
 
 
 class LoopRounds:

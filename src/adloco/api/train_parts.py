@@ -15,7 +15,7 @@ from adloco.algorithms.schedules import inner_lr
 from adloco.config import TrainConfig, build_config
 
 if TYPE_CHECKING:  # the tasks load the model library: a plain loop never imports them
-    from adloco.tasks import Task
+    from adloco.workers.tasks import Task
 
 
 @dataclass
@@ -60,10 +60,10 @@ class TrainParts:
 def train_parts(overrides: Sequence[str] = (), worker: int = 0, workers: int = 1) -> TrainParts:
     """Worker ``worker`` of ``workers``'s parts of the run ``adloco train`` would start with these ``key=value``
     overrides (its tokenizer, data, model and optimizer; imported here, so that a plain loop does not load them)."""
-    from adloco.inner_optimizer import inner_optimizer
-    from adloco.placement import resolve_device
-    from adloco.precision import adamw_kernel
-    from adloco.training import tokenizer_and_task
+    from adloco.cluster.placement import resolve_device
+    from adloco.models.precision import adamw_kernel
+    from adloco.run.training import tokenizer_and_task
+    from adloco.workers.inner_optimizer import inner_optimizer
 
     config = build_config(overrides=list(overrides))
     _, task = tokenizer_and_task(config, None)

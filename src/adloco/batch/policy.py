@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 from adloco.algorithms.batch_tests import BatchDecision, BatchSizeController, GradientStatistics, average_statistics
 from adloco.algorithms.controller import TimeAwareController, TimedDecision, resolvable_noise_scale
 from adloco.algorithms.schedules import LR_EXPONENTS, BatchCoupling
-from adloco.pace import CostModel, Pace
+from adloco.batch.pace import CostModel, Pace
 
 if TYPE_CHECKING:
     from adloco.config import BatchConfig
-    from adloco.sync.rounds import WorkerRound
+    from adloco.workers.reports import WorkerRound
 
 
 def batch_coupling(batch: BatchConfig) -> BatchCoupling:

@@ -2,29 +2,38 @@
 
 ``store`` keeps them (atomic writes, the manifest of complete ones), ``files`` is the one-file format,
 ``sharded`` the folder every rank writes its part of (DCP: imported only where used, it costs a second),
-``state`` checks and cuts what one holds, ``loading`` reads them back whichever their format."""
+``state`` checks and cuts what one holds, ``loading`` reads them back whichever their format, ``names`` finds them
+by name. The package's names load on first use, so ``names`` serves checks made before torch is imported."""
 
-from adloco.checkpoint.files import save_checkpoint
-from adloco.checkpoint.loading import latest_checkpoint, load_checkpoint
-from adloco.checkpoint.state import recut_checkpoint
-from adloco.checkpoint.store import (
-    FORMAT_VERSION,
-    MANIFEST,
-    apply_umask,
-    atomic_write_bytes,
-    drop_checkpoints_after,
-    read_manifest,
-    write_failure,
-)
-from adloco.errors import CheckpointError
-from adloco.runs import checkpoint_round, list_checkpoints
+from __future__ import annotations
 
+import importlib
+from typing import Any
+
+_OWNERS = {
+    "CheckpointError": "adloco.errors",
+    "FORMAT_VERSION": "adloco.checkpoint.store",
+    "MANIFEST": "adloco.checkpoint.store",
+    "apply_umask": "adloco.checkpoint.store",
+    "atomic_write_bytes": "adloco.checkpoint.store",
+    "check_resumable": "adloco.checkpoint.names",
+    "checkpoint_round": "adloco.checkpoint.names",
+    "drop_checkpoints_after": "adloco.checkpoint.store",
+    "latest_checkpoint": "adloco.checkpoint.loading",
+    "list_checkpoints": "adloco.checkpoint.names",
+    "load_checkpoint": "adloco.checkpoint.loading",
+    "read_manifest": "adloco.checkpoint.store",
+    "recut_checkpoint": "adloco.checkpoint.state",
+    "save_checkpoint": "adloco.checkpoint.files",
+    "write_failure": "adloco.checkpoint.store",
+}
 __all__ = [
+    "CheckpointError",
     "FORMAT_VERSION",
     "MANIFEST",
-    "CheckpointError",
     "apply_umask",
     "atomic_write_bytes",
+    "check_resumable",
     "checkpoint_round",
     "drop_checkpoints_after",
     "latest_checkpoint",
@@ -35,3 +44,9 @@ __all__ = [
     "save_checkpoint",
     "write_failure",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _OWNERS:
+        raise AttributeError(f"module 'adloco.checkpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(_OWNERS[name]), name)

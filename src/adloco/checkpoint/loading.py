@@ -9,10 +9,10 @@ from typing import Any
 
 from adloco.algorithms.sharding import UNSHARDED, ShardLayout
 from adloco.checkpoint.files import load_file
+from adloco.checkpoint.names import list_checkpoints
 from adloco.checkpoint.state import checked_shape, only_wanted, recut_checkpoint
 from adloco.checkpoint.store import read_manifest
 from adloco.errors import CheckpointError
-from adloco.runs import list_checkpoints
 
 log = logging.getLogger(__name__)
 

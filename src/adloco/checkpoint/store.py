@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from adloco.checkpoint.names import CHECKPOINT_NAME, list_checkpoints
 from adloco.errors import StorageError
-from adloco.runs import CHECKPOINT_NAME, list_checkpoints
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from adloco.algorithms.flat import flatten, unflatten
 from adloco.algorithms.outer import sum_in_order
 from adloco.algorithms.sharding import join_shards, shard_shape
 from adloco.comm.base import CommStats, ExchangeMixin, Gathered, contributed_bytes
-from adloco.launcher import (  # noqa: F401 - their home before, imported from here by callers
+from adloco.comm.launcher import (  # noqa: F401 - their home before, imported from here by callers
     job_key,
     launched_by_torchrun,
     max_restarts,

@@ -5,19 +5,54 @@ big the source is (for the ETA)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-from adloco.data.sources import Source, decode_text, first_line, folder_files, read_text_file
+from adloco.data.sources import TEXT_SUFFIXES, Source, decode_text, first_line, folder_files, read_text_file
 from adloco.errors import DataError
-
-if TYPE_CHECKING:
-    from adloco.data.prepare import PrepareSettings
 
 PIECE_BYTES = 1 << 20  # a single text file is tokenized in pieces of about this size, cut after a line end
 LONG_LINE_BYTES = 4 * PIECE_BYTES  # a line longer than this is cut at a space instead
+
+
+@dataclass(frozen=True)
+class PrepareSettings:
+    """What ``adloco prepare`` was asked for; all but ``processes`` decide the output, so a rerun with the same
+    ones resumes (or finds the work done), and one with others is refused."""
+
+    source: str
+    tokenizer: str = "bpe"
+    vocab_size: int = 32768
+    bpe_chars: int = 100_000_000
+    bpe_every: int = 1
+    shard_tokens: int = 100_000_000
+    val_documents: int = 1000
+    val_every: int = 100
+    val_fraction: float = 0.1
+    text_field: str = "text"
+    hf_config: str | None = None
+    hf_data_files: str | None = None
+    split: str = "train"
+    suffixes: tuple[str, ...] = TEXT_SUFFIXES
+    processes: int = field(default=1, compare=False)
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that decide the output, as the manifest records them."""
+        data = asdict(self)
+        data.pop("processes")
+        data["suffixes"] = list(self.suffixes)
+        return data
+
+    def check(self) -> None:
+        for name in ("vocab_size", "bpe_chars", "bpe_every", "shard_tokens", "val_documents", "val_every", "processes"):
+            if getattr(self, name) < 1:
+                raise DataError(f"prepare: --{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.tokenizer == "bpe" and self.vocab_size < 258:
+            raise DataError(f"prepare: a bpe vocabulary needs at least 258 entries, got {self.vocab_size}")
+        if not 0 < self.val_fraction < 1:
+            raise DataError(f"prepare: --val-fraction must be in (0, 1), got {self.val_fraction}")
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,16 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from adloco.data.documents import Piece, pieces, source_size
+from adloco.data.documents import Piece, PrepareSettings, pieces, source_size
 from adloco.data.encoding import choose_engine, encode_batches
 from adloco.data.prepare_progress import PrepareProgress
 from adloco.data.sources import (
-    TEXT_SUFFIXES,
     Source,
     first_line,
     resolve_source,
@@ -49,44 +48,6 @@ from adloco.errors import DataError
 
 BATCH_BYTES = 1 << 20  # text per batch sent to a tokenizing process
 BYTE_EOT = 0  # the byte tokenizer's end of document: NUL, which no text source holds (they are refused)
-
-
-@dataclass(frozen=True)
-class PrepareSettings:
-    """What ``adloco prepare`` was asked for; all but ``processes`` decide the output, so a rerun with the same
-    ones resumes (or finds the work done), and one with others is refused."""
-
-    source: str
-    tokenizer: str = "bpe"
-    vocab_size: int = 32768
-    bpe_chars: int = 100_000_000
-    bpe_every: int = 1
-    shard_tokens: int = 100_000_000
-    val_documents: int = 1000
-    val_every: int = 100
-    val_fraction: float = 0.1
-    text_field: str = "text"
-    hf_config: str | None = None
-    hf_data_files: str | None = None
-    split: str = "train"
-    suffixes: tuple[str, ...] = TEXT_SUFFIXES
-    processes: int = field(default=1, compare=False)
-
-    def identity(self) -> dict[str, Any]:
-        """The settings that decide the output, as the manifest records them."""
-        data = asdict(self)
-        data.pop("processes")
-        data["suffixes"] = list(self.suffixes)
-        return data
-
-    def check(self) -> None:
-        for name in ("vocab_size", "bpe_chars", "bpe_every", "shard_tokens", "val_documents", "val_every", "processes"):
-            if getattr(self, name) < 1:
-                raise DataError(f"prepare: --{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.tokenizer == "bpe" and self.vocab_size < 258:
-            raise DataError(f"prepare: a bpe vocabulary needs at least 258 entries, got {self.vocab_size}")
-        if not 0 < self.val_fraction < 1:
-            raise DataError(f"prepare: --val-fraction must be in (0, 1), got {self.val_fraction}")
 
 
 def _say(console: Any, message: str) -> None:

@@ -17,10 +17,10 @@ from adloco.sync.ddp import DDPSync
 from adloco.sync.diloco import DiLoCoSync
 from adloco.sync.exchange import DeltaExchange
 from adloco.sync.overlapped import EagerCopy, OverlappedSync
-from adloco.sync.rounds import RoundState, StepRecord, WorkerRound
 from adloco.sync.streaming import StreamingSync
-from adloco.trainer import Trainer
-from adloco.worker import Worker
+from adloco.sync.trainer import Trainer
+from adloco.workers.reports import RoundState, StepRecord, WorkerRound
+from adloco.workers.worker import Worker
 
 __all__ = [
     "DDPSync",

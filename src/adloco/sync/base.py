@@ -9,9 +9,9 @@ import torch
 
 from adloco.comm.base import Communicator
 from adloco.sync.exchange import DeltaExchange, Drift, Exchanged
-from adloco.sync.rounds import RoundState, absent_report
-from adloco.trainer import Trainer
-from adloco.worker import Worker
+from adloco.sync.trainer import Trainer
+from adloco.workers.reports import RoundState, absent_report
+from adloco.workers.worker import Worker
 
 
 class SyncStrategy:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from adloco.sync.base import SyncStrategy
-from adloco.sync.rounds import RoundState, WorkerRound
+from adloco.workers.reports import RoundState, WorkerRound
 
 
 class DDPSync(SyncStrategy):

@@ -11,7 +11,7 @@ the cluster runs after the round from the reports.
 from __future__ import annotations
 
 from adloco.sync.base import DeltaStrategy
-from adloco.sync.rounds import RoundState
+from adloco.workers.reports import RoundState
 
 
 class DiLoCoSync(DeltaStrategy):

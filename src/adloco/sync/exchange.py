@@ -15,9 +15,9 @@ from adloco.algorithms.codecs import Codec, Encoded, ErrorFeedback, decode_and_a
 from adloco.algorithms.flat import flatten, unflatten
 from adloco.algorithms.outer import worker_delta
 from adloco.comm.base import Communicator, Gathered
-from adloco.sync.rounds import absent_report
-from adloco.trainer import Trainer
-from adloco.worker import Worker
+from adloco.sync.trainer import Trainer
+from adloco.workers.reports import absent_report
+from adloco.workers.worker import Worker
 
 
 @dataclass

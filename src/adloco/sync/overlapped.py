@@ -21,8 +21,8 @@ from adloco.algorithms.outer import OuterFactory, OuterOptimizer, eager_pseudo_g
 from adloco.config import OuterConfig
 from adloco.sync.base import DeltaStrategy, completed, pending_item
 from adloco.sync.exchange import weighted
-from adloco.sync.rounds import RoundState
-from adloco.trainer import Trainer
+from adloco.sync.trainer import Trainer
+from adloco.workers.reports import RoundState
 
 
 class EagerCopy:

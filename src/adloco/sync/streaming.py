@@ -20,8 +20,8 @@ from adloco.algorithms.schedules import fragments_sending_at
 from adloco.config import ConfigError, StreamingConfig
 from adloco.sync.base import DeltaStrategy, completed, pending_item
 from adloco.sync.exchange import Exchanged
-from adloco.sync.rounds import RoundState
-from adloco.trainer import Trainer
+from adloco.sync.trainer import Trainer
+from adloco.workers.reports import RoundState
 
 
 class StreamingSync(DeltaStrategy):

@@ -1,0 +1,191 @@
+"""The batch policy's side of ``adloco train``'s rounds, for every trainer of the run: each trainer's switch-mode
+plan and its workers' shares (equal, or by speed), the samples and tokens of a step, H for the round, whether
+its statistics are due, and the decisions at its end (each trainer's ``TrainerBatch``, from the round's reports).
+Every rank holds the same trainers, b_max table and costs, so every rank plans and decides alike."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from adloco.algorithms.shares import balanced_split, sample_weights
+from adloco.algorithms.switch import MicroBatchPlan, plan_micro_batches
+from adloco.algorithms.sync_every import AutoSyncEvery, SyncDecision, drift_for_workers
+from adloco.batch.policy import pace_for
+from adloco.workers.reports import exchange_time
+
+if TYPE_CHECKING:
+    from adloco.algorithms.batch_tests import GradientStatistics
+    from adloco.batch.pace import CostModel, Pace
+    from adloco.config import BatchConfig, TrainConfig
+    from adloco.sync import RoundState
+    from adloco.sync.trainer import Trainer
+
+
+class RoundBatches:
+    """The trainers' batches around a round. It holds the run's trainers, b_max table and cost model (shared with
+    the cluster, which changes them in place: merges, out-of-memory retries, resumes)."""
+
+    def __init__(
+        self,
+        batch: BatchConfig,
+        trainers: Mapping[int, Trainer],
+        b_max: Mapping[int, int],
+        costs: CostModel | None,
+        shape: tuple[int, int, int],
+        collect_statistics: bool,
+        auto: AutoSyncEvery | None = None,
+    ) -> None:
+        self.batch, self.trainers, self.b_max, self.costs = batch, trainers, b_max, costs
+        self.total_workers, self.sync_every, self.context = shape  # (workers, H, tokens per sample)
+        self.collect_statistics = collect_statistics
+        self.auto = auto  # sync_every=auto: H chosen at each round's end
+        self.lr_ratio = 1.0  # the inner lr of the coming round over its peak (set by the cluster at each boundary)
+
+    def worker_plan(self, worker_id: int, b_req: int) -> MicroBatchPlan:
+        return plan_micro_batches(b_req, self.b_max[worker_id], self.batch.switch_factor)
+
+    def plans(self) -> dict[int, MicroBatchPlan]:
+        """Each trainer's switch-mode plan for its current b_req (on its first worker's device)."""
+        return {k: self.worker_plan(t.worker_ids[0], t.batch_size) for k, t in self.trainers.items()}
+
+    def shares(self, trainer: Trainer) -> dict[int, int]:
+        """Each worker's part of the trainer's M·b_req samples per step: b_req each, or in proportion to speed.
+        Every rank holds the same costs (pinned, or corrected from the same reports), so all split alike."""
+        if self.batch.shares == "equal" or len(trainer.worker_ids) == 1:
+            return dict.fromkeys(trainer.worker_ids, trainer.batch_size)
+        assert self.costs is not None
+        costs = [self.costs.worker_cost(w) for w in trainer.worker_ids]
+        split = balanced_split(trainer.batch_size * len(trainer.worker_ids), costs)
+        return dict(zip(trainer.worker_ids, split, strict=True))
+
+    def samples_per_step(self) -> dict[int, int]:
+        """Samples each worker (of every trainer) reads per inner step, following its switch-mode plan."""
+        return {
+            w: self.worker_plan(w, share).samples for t in self.trainers.values() for w, share in self.shares(t).items()
+        }
+
+    def sample_weights(self, samples: Mapping[int, int]) -> dict[int, float]:
+        """Each worker's weight in its trainer's mean pseudo-gradient: its samples over the trainer's mean."""
+        weights = {}
+        for t in self.trainers.values():
+            weights.update(zip(t.worker_ids, sample_weights([samples[w] for w in t.worker_ids]), strict=True))
+        return weights
+
+    def tokens_per_step(self) -> int:
+        """Tokens one inner step reads over all workers."""
+        return sum(self.samples_per_step().values()) * self.context
+
+    def inner_steps_per_round(self) -> int:
+        """H (with ``sync_every=auto`` as last decided), or with ``batch.keep_round_time`` H scaled down by how many
+        more samples a step reads than at the start (the same on every rank: it follows the plans)."""
+        if self.auto is not None:
+            return self.auto.sync_every
+        if not self.batch.keep_round_time:
+            return self.sync_every
+        start = self.batch.size * self.total_workers
+        return max(1, round(self.sync_every * start / sum(self.samples_per_step().values())))
+
+    def statistics_due(self, round_index: int) -> bool:
+        return self.collect_statistics and round_index % self.batch.test_every == 0
+
+    def decide(
+        self,
+        state: RoundState,
+        taking_part: Iterable[Trainer],
+        cross_worker: Callable[[Trainer], GradientStatistics],
+        tokens_left: int | None = None,
+    ) -> None:
+        """The batch test of each trainer this rank takes part in, from the statistics in the round's reports."""
+        if not state.statistics_due:
+            return
+        for trainer in taking_part:
+            reports = [state.reports[w] for w in trainer.worker_ids]
+            if self.batch.estimator != "cross_worker":
+                trainer.batch.decide_from_reports(reports, self.pace(trainer, tokens_left))
+            elif not any(r.out for r in reports):  # a partial measurement is not a measurement
+                statistics = cross_worker(trainer)
+                trainer.batch.decide(statistics, len(reports), self.pace(trainer, tokens_left))
+
+    def pace(self, trainer: Trainer, tokens_left: int | None) -> Pace | None:
+        """What a time-aware decision weighs; H as it stands now: trainers decided earlier count with their new b.
+        With ``sync_every=auto`` each candidate b is weighed at the H the rule would choose for its step time."""
+        pace = pace_for(self.batch, self.costs, trainer.worker_ids, self.inner_steps_per_round(), tokens_left,
+                        self.context, self.total_workers)  # fmt: skip
+        if pace is not None and self.auto is not None:
+            pace.per_step = self.auto.planner(pace.round_seconds, self.lr_ratio)
+        return pace
+
+    def decide_sync_every(self, state: RoundState, worker_rank: Mapping[int, int]) -> SyncDecision:
+        """The next round's H from every worker's report (the same on every rank); a fixed H is kept, with the
+        same figures recorded."""
+        return next_sync_every(self.auto, self.inner_steps_per_round(), state, worker_rank, self.trainers.values(),
+                               self.lr_ratio, self.pinned_seconds(worker_rank))  # fmt: skip
+
+    def pinned_seconds(self, worker_rank: Mapping[int, int]) -> tuple[float, float] | None:
+        """(t, c) as ``batch.step_seconds`` and ``batch.round_seconds`` pin them (``pinned_seconds``)."""
+        return pinned_seconds(self.costs, self.samples_per_step(), worker_rank)
+
+
+def pinned_seconds(
+    costs: CostModel | None, samples: Mapping[int, int], worker_rank: Mapping[int, int]
+) -> tuple[float, float] | None:
+    """(t, c) as ``batch.step_seconds`` and ``batch.round_seconds`` pin them, both given: the busiest rank's step
+    at each worker's ``samples`` per step and the round's overhead; None where either is measured."""
+    if costs is None or costs.follow_steps or costs.pinned_round is None:
+        return None
+    per_worker = {w: costs.worker_cost(w).at(n) for w, n in samples.items()}
+    return busiest_rank(per_worker, worker_rank), costs.pinned_round
+
+
+def busiest_rank(seconds: Mapping[int, float], worker_rank: Mapping[int, int]) -> float:
+    """The largest per-rank sum of its hosted workers' seconds (NaN where none is finite): a rank hosting
+    several workers runs their steps one after another."""
+    per_rank: dict[int, float] = {}
+    for w, s in seconds.items():
+        if math.isfinite(s):
+            per_rank[worker_rank[w]] = per_rank.get(worker_rank[w], 0.0) + s
+    return max(per_rank.values(), default=math.nan)
+
+
+def next_sync_every(
+    auto: AutoSyncEvery | None,
+    current: int,
+    state: RoundState,
+    worker_rank: Mapping[int, int],
+    trainers: Iterable[Trainer],
+    lr_ratio: float = 1.0,
+    pinned: tuple[float, float] | None = None,
+) -> SyncDecision:
+    """H for the next round from the round's reports and the trainers' dispersion, all the same on every rank:
+    the busiest rank's compute seconds per step (its hosted workers' summed), the largest exchange overhead
+    a rank reported, the largest dispersion. ``pinned``: (t, c) from the config instead of the reports.
+    ``auto`` None: H stays ``current``, its figures recorded."""
+    step_seconds = busiest_rank({w: r.step_seconds for w, r in state.reports.items()}, worker_rank)
+    exchange_seconds = exchange_time(state.reports.values())
+    if pinned is not None:
+        step_seconds, exchange_seconds = pinned
+    spread = max((t.dispersion for t in trainers if math.isfinite(t.dispersion)), default=math.nan)
+    if auto is not None:
+        auto.observe(step_seconds, exchange_seconds)
+        return auto.decide(lr_ratio, spread)
+    total = exchange_seconds + current * step_seconds
+    exposed = exchange_seconds / total if math.isfinite(total) and total > 0 else math.nan
+    return SyncDecision(current, math.nan, "fixed", step_seconds, exchange_seconds, exposed, math.nan, spread)
+
+
+def auto_sync_every(config: TrainConfig) -> AutoSyncEvery | None:
+    """The rule that chooses H while training (``sync_every=auto``), from the config's ``sync_auto`` section."""
+    if not config.auto_sync:
+        return None
+    auto = config.sync_auto
+    low, high = config.sync_bounds
+    # Streaming with α > 0 keeps part of each worker's own drift after a sync, by design: its workers' Δ differ
+    # by more than noise every round, so there the dispersion is recorded but does not shrink H.
+    guard = auto.max_dispersion if not config.streaming.alpha else math.inf
+    assert config.workers is not None
+    drift = drift_for_workers(auto.drift_steps, config.workers, auto.workers_power)
+    return AutoSyncEvery(low=low, high=high, start=config.first_sync_every, drift_steps=drift,
+                         max_dispersion=guard, multiple=config.streaming.fragments or 1,
+                         lr_stretch=auto.lr_stretch, lr_power=auto.lr_power)  # fmt: skip

@@ -1,0 +1,122 @@
+"""Which rank hosts which worker: contiguous blocks of worker slots per rank, a worker's shards on neighbouring
+ranks; the check, before anything is built, that the world torchrun started can hold the job; an elastic job's
+size; and each rank's device."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from adloco.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    import torch
+
+    from adloco.config import TrainConfig
+
+
+def rank_placement(total_workers: int, world_size: int, slots_per_rank: int | None) -> dict[int, int]:
+    """Which rank hosts each worker slot: contiguous blocks of ``slots_per_rank`` worker ids per rank."""
+    slots = slots_per_rank or total_workers // world_size
+    if slots == 0 or slots * world_size != total_workers:
+        spread = f"{slots_per_rank} slots each" if slots_per_rank else "the same number each"
+        raise ConfigError(
+            f"slots_per_rank: {total_workers} worker(s) do not fill {world_size} rank(s) with {spread}; give workers "
+            f"(× trainers) a multiple of {world_size}, or launch ranks × slots_per_rank = {total_workers}"
+        )
+    return {w: w // slots for w in range(total_workers)}
+
+
+def placement(trainers: int, workers_per_trainer: int) -> dict[int, list[int]]:
+    """Worker ids of each trainer at the start: trainer k owns workers k·M … k·M + M − 1."""
+    return {k: list(range(k * workers_per_trainer, (k + 1) * workers_per_trainer)) for k in range(trainers)}
+
+
+def hosted_workers(config: TrainConfig, rank: int, world_size: int) -> set[int]:
+    """The workers that global ``rank`` of ``world_size`` hosts (a shard of each when workers are sharded)."""
+    placed = rank_placement(config.total_workers, world_size // config.shards, config.slots_per_rank)
+    return {w for w, r in placed.items() if r == rank // config.shards}
+
+
+def check_world(config: TrainConfig, world_size: int, torchrun: bool) -> None:
+    """ConfigError, before anything is built, when the ranks cannot host the job: sharded workers outside torchrun
+    or on a world that is not a multiple of ``shards``, workers that do not fill the ranks, a backend this machine
+    lacks."""
+    shards = config.shards
+    if shards > 1 and not torchrun:
+        raise ConfigError(
+            f"shards={shards}: a worker sharded over {shards} ranks needs torchrun, one process per rank, with a "
+            f"world size that is a multiple of {shards}"
+        )
+    if world_size < shards or world_size % shards:
+        raise ConfigError(
+            f"shards={shards}: torchrun started {world_size} rank(s); sharded workers need a world size that is a "
+            f"multiple of {shards} (ranks = workers ÷ slots_per_rank × shards)"
+        )
+    if torchrun:
+        _check_backend(config.comm.backend, config.device)
+    if not (config.elastic and torchrun):  # an elastic job takes its worker count from the ranks
+        rank_placement(config.total_workers, world_size // shards, config.slots_per_rank)
+
+
+def _check_backend(backend: str, device: str) -> None:
+    if backend != "nccl":
+        return
+    import torch
+    import torch.distributed as dist
+
+    if device == "cpu":
+        raise ConfigError("comm.backend: nccl exchanges CUDA tensors; with device=cpu use comm.backend=gloo")
+    if not torch.cuda.is_available():
+        raise ConfigError("comm.backend: nccl needs CUDA GPUs and this machine has none; use comm.backend=gloo")
+    if not dist.is_nccl_available():
+        raise ConfigError("comm.backend: nccl is not built into this torch; use comm.backend=gloo")
+
+
+def elastic_size(config: TrainConfig, world_size: int, fresh: bool) -> tuple[TrainConfig, str | None]:
+    """The config of this start: under torchrun an elastic job has as many workers as its ranks hold slots; and a
+    line for the user when that is not the ``workers`` the config names. A fresh start refuses a ``workers`` the
+    user gave that the ranks contradict."""
+    from adloco.comm.distributed import launched_by_torchrun  # torch loads only when a job starts
+
+    if not config.elastic or not launched_by_torchrun():
+        return config, None
+    slots = config.slots_per_rank or 1
+    workers = world_size * slots
+    if workers == config.workers:
+        return config, None
+    why = f"{world_size} ranks × {slots} worker slot(s) = {workers} workers"
+    if fresh and "workers" in config.given_keys:
+        raise ConfigError(
+            f"workers={config.workers}: an elastic job has one worker per rank slot, here {why}; leave workers out, "
+            f"or launch ranks × slots_per_rank = {config.workers}"
+        )
+    # A resumed or restarted job says the change with the other resume-time changes ("workers: 4 -> 3").
+    note = f"elastic: this job has {why}, not workers={config.workers}" if fresh else None
+    return config.model_copy(update={"workers": workers}), note
+
+
+def resolve_device(config: TrainConfig) -> torch.device:
+    """This rank's device: the CPU, or the CUDA device of its local rank, with the config's matmul settings and
+    ``precision=auto`` decided for it (bf16 on a CUDA GPU that has it, else fp32)."""
+    import os
+
+    import torch
+
+    from adloco.models.precision import configure_matmuls, resolved_precision
+
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        if config.precision == "fp16":
+            log.warning("precision fp16 on a CPU: float16 matmuls have no fast kernels there; bf16 or fp32 is faster")
+        config.precision = resolved_precision(config.precision, torch.device("cpu"))
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device: cuda was asked for but no CUDA device is available")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    configure_matmuls(device, config.tf32)
+    config.precision = resolved_precision(config.precision, device)
+    return device

@@ -1,0 +1,1 @@
+"""Run metrics: ``metrics.jsonl`` written and read back, experiment trackers, and plots."""

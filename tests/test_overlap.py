@@ -5,7 +5,7 @@ import torch
 
 from adloco.algorithms.batch_tests import BatchSizeController
 from adloco.batch.policy import TrainerBatch
-from adloco.comm import LocalCommunicator
+from adloco.comm.local import LocalCommunicator
 from adloco.config import ConfigError, build_config
 from adloco.metrics.writer import read_metrics
 from adloco.run.training import train

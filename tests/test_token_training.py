@@ -15,7 +15,7 @@ from rich.console import Console
 from adloco import DiLoCo
 from adloco.checkpoint import list_checkpoints
 from adloco.cluster.cluster import Cluster
-from adloco.comm import LocalCommunicator
+from adloco.comm.local import LocalCommunicator
 from adloco.config import build_config
 from adloco.config.input import layered
 from adloco.data import TokenWindows

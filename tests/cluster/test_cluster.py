@@ -5,7 +5,7 @@ import torch
 
 from adloco.checkpoint import CheckpointError
 from adloco.cluster.cluster import Cluster
-from adloco.comm import LocalCommunicator
+from adloco.comm.local import LocalCommunicator
 from adloco.config import ConfigError, build_config
 from adloco.run.training import tokenizer_and_task
 from adloco.workers.group import WorkerGroup

@@ -12,7 +12,7 @@ import torch
 
 from adloco.checkpoint import list_checkpoints
 from adloco.cluster.placement import resolve_device
-from adloco.comm import LocalCommunicator
+from adloco.comm.local import LocalCommunicator
 from adloco.comm.distributed import job_key
 from adloco.config import ConfigError, build_config
 from adloco.metrics.writer import read_metrics

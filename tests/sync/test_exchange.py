@@ -5,7 +5,7 @@ import torch
 from adloco.algorithms.batch_tests import BatchSizeController
 from adloco.algorithms.codecs import get_codec
 from adloco.batch.policy import TrainerBatch
-from adloco.comm import LocalCommunicator
+from adloco.comm.local import LocalCommunicator
 from adloco.sync import DeltaExchange, WorkerRound
 from adloco.sync.trainer import Trainer
 

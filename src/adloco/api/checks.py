@@ -13,7 +13,7 @@ import torch
 
 from adloco.api.rounds import LoopRounds
 from adloco.api.worker import WorkerShards
-from adloco.comm import Communicator
+from adloco.comm.base import Communicator
 from adloco.config import TrainConfig
 
 

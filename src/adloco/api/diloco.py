@@ -38,8 +38,9 @@ from adloco.api.worker import LoopWorker, WorkerShards, finite, gradient_divisor
 from adloco.batch.policy import TrainerBatch
 from adloco.cluster.placement import placement
 from adloco.cluster.trainers import MergeEvent, maybe_merge, synchronize
-from adloco.comm import Communicator, LocalCommunicator
+from adloco.comm.base import Communicator
 from adloco.comm.launcher import world_size_from_env
+from adloco.comm.local import LocalCommunicator
 from adloco.config import ConfigError, TrainConfig, build_config
 from adloco.sync import (
     RoundState,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from adloco.checkpoint import CheckpointError, atomic_write_bytes, list_checkpoints
 from adloco.checkpoint.names import check_resumable
-from adloco.comm import Communicator
+from adloco.comm.base import Communicator
 from adloco.comm.distributed import job_key, max_restarts
 from adloco.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, resume_config
 from adloco.data.sources import dataset_label

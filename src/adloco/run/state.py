@@ -11,7 +11,7 @@ import torch
 
 from adloco.algorithms.schedules import inner_lr
 from adloco.cluster.cluster import Cluster, MergeEvent
-from adloco.comm import Communicator
+from adloco.comm.base import Communicator
 from adloco.config import TrainConfig
 from adloco.metrics.writer import MetricsWriter
 from adloco.workers.tasks import Task

@@ -25,7 +25,7 @@ from adloco.checkpoint import (
 )
 from adloco.cluster.cluster import Cluster, RoundReport, StepProgress
 from adloco.cluster.placement import check_world, elastic_size, hosted_workers, resolve_device
-from adloco.comm import Communicator, LocalCommunicator
+from adloco.comm.base import Communicator
 from adloco.comm.distributed import (
     DistributedCommunicator,
     launched_by_torchrun,
@@ -33,6 +33,7 @@ from adloco.comm.distributed import (
     restart_attempt,
     world_size_from_env,
 )
+from adloco.comm.local import LocalCommunicator
 from adloco.config import TrainConfig, resume_changes
 from adloco.data import (
     SAVED_DIR,

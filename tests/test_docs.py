@@ -21,7 +21,9 @@ def test_the_configuration_reference_has_a_page_per_config_section_with_bounds_a
         assert f"configuration/{section}.md" in pages
         assert f"| [`{section}`](configuration/{section}.md) | " in pages["configuration.md"]
     batch = section_markdown("batch")
-    assert "| `batch.eta` |" in batch and "| `codec.name` |" not in batch  # each key on its own section's page
+    assert (
+        "| `batch.statistics.eta` |" in batch and "| `codec.name` |" not in batch
+    )  # each key on its own section's page
     assert "| `shards` | advanced | int (≥ 1) |" in configuration_markdown()  # bounds from the schema
     assert "| `streaming.overlap` | advanced | int \\| None (≥ 0) |" in section_markdown("streaming")  # | escaped
     assert "[data.md](../data.md)" in section_markdown("data") and "docs/data.md" not in section_markdown("data")

@@ -59,7 +59,7 @@ def method_overrides(method: str, ranks: int) -> list[str]:
     h = method.rsplit("-", 1)[1]
     sync = "sync_every=auto" if h == "auto" else f"sync_every={h.removeprefix('h')}"
     if method.startswith("adloco"):
-        return ["method=adloco", "trainers=1", workers, "batch.ema=0.5", sync, *settings]
+        return ["method=adloco", "trainers=1", workers, "batch.statistics.ema=0.5", sync, *settings]
     return ["method=diloco", workers, sync, *settings]
 
 

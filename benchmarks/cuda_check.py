@@ -48,7 +48,7 @@ RUNS = {  # name: overrides of adloco train
         "device=cuda",
         "method=adloco",
         "batch.b_cap=8192",
-        "batch.memory_fraction=0.002",
+        "batch.memory.fraction=0.002",
     ],
 }
 

@@ -38,7 +38,7 @@ BEGIN, END = "<!-- benchmark:begin -->", "<!-- benchmark:end -->"
 # Runs with batch-test statistics: the default DiLoCo with b held at 3 (the test runs, b cannot move), DiLoCo
 # whose b follows a gentler norm test (at the default η = 0.8 the batch grows so fast that few rounds are left
 # to predict at a reduced budget), and AdLoCo with its defaults and with that gentler test.
-GENTLE = ["batch.eta=2.5", "batch.ema=0.5"]
+GENTLE = ["batch.statistics.eta=2.5", "batch.statistics.ema=0.5"]
 RUNS = {
     "diloco-b3": ["method=diloco", "batch.test=norm", "batch.b_min=3", "batch.b_cap=3"],
     "diloco-norm": ["method=diloco", "batch.test=norm", *GENTLE],
@@ -62,9 +62,9 @@ def _run_summary(run_dir: Path) -> str:
     """The settings that matter for the comparison, read back from the run's own config."""
     config, _, _ = load_rounds(run_dir)
     batch = config.batch
-    test = f"b fixed at {batch.size}" if batch.b_min == batch.b_cap else f"norm test η = {batch.eta:g}"
-    if batch.ema:
-        test += f", EMA {batch.ema:g}"
+    test = f"b fixed at {batch.size}" if batch.b_min == batch.b_cap else f"norm test η = {batch.statistics.eta:g}"
+    if batch.statistics.ema:
+        test += f", EMA {batch.statistics.ema:g}"
     trainers = f"{config.trainers} trainer{'s' if config.trainers > 1 else ''}"
     workers = f"{config.workers} worker{'s' if config.workers > 1 else ''}"
     return f"{config.method}, {trainers} of {workers}, {test}, {config.total_tokens:,} tokens"

@@ -146,7 +146,7 @@ def adloco_row(folder: Path, s: dict, overrides: list[str], root: Path, name: st
     command = [sys.executable, "-m", "adloco", "train", f"data.dataset={folder}", "data.verify=size",
                f"model.preset={s['preset']}", f"model.context={s['context']}", f"precision={s['precision']}",
                f"compile={str(s['compile']).lower()}", f"device={s['device']}", f"batch.size={per_worker}",
-               f"batch.b_max={per_worker}", f"sync_every={steps_per_round}", f"total_tokens={budget}",
+               f"batch.memory.b_max={per_worker}", f"sync_every={steps_per_round}", f"total_tokens={budget}",
                "inner.lr=6e-4", "eval.every=100000", "eval.final_full=false", "eval.blocks=2",
                "run.progress=false", "run.save_final=false", "run.plots=false", "run.trackers=[]",
                f"run.root={root}", f"run.name={name}", *overrides]  # fmt: skip

@@ -93,14 +93,20 @@ def method_overrides(method: str, ranks: int) -> list[str]:
         # One trainer per rank, merged pairwise every merge.every rounds: the same workers as the others.
         "adloco": ["method=adloco", f"trainers={ranks}", "workers=1"],
         # The gentler norm test of docs/adloco.md (batches grow later), not in the default list.
-        "adloco-eta2.5": ["method=adloco", f"trainers={ranks}", "workers=1", "batch.eta=2.5", "batch.ema=0.5"],
+        "adloco-eta2.5": [
+            "method=adloco",
+            f"trainers={ranks}",
+            "workers=1",
+            "batch.statistics.eta=2.5",
+            "batch.statistics.ema=0.5",
+        ],
     }
     for codec, codec_overrides in CODECS.items():
         for h in DILOCO_H:
             table[diloco_name(codec, h)] = ["method=diloco", workers, f"sync_every={h}", *codec_overrides]
         # Issue 16's comparison: the time-aware controller on one trainer of all ranks, smoothed statistics.
         for h in ADLOCO_H:
-            adloco = ["method=adloco", "trainers=1", workers, "batch.ema=0.5", f"sync_every={h}"]
+            adloco = ["method=adloco", "trainers=1", workers, "batch.statistics.ema=0.5", f"sync_every={h}"]
             table[adloco_name(codec, h)] = [*adloco, *codec_overrides]
     return table[method]
 

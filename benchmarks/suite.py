@@ -41,9 +41,9 @@ ONE_THREAD = ["threads=1"]
 # and sensitivity runs study the norm test (the default before the time-aware controller), so they ask for it.
 # They were measured with AdLoCo's defaults before 2026-11-24 (4 trainers of 1 worker from their own seeds,
 # unsmoothed statistics), pinned here so that the command still reproduces them.
-EARLIER = ["trainers=4", "workers=1", "batch.ema=0", "merge.shared_init=false"]
-SWITCH = ["batch.controller=test", "batch.b_max=16", *EARLIER]
-GENTLE = ["batch.controller=test", "trainers=1", "workers=4", "batch.eta=2.5", "batch.ema=0.5"]
+EARLIER = ["trainers=4", "workers=1", "batch.statistics.ema=0", "merge.shared_init=false"]
+SWITCH = ["batch.controller=test", "batch.memory.b_max=16", *EARLIER]
+GENTLE = ["batch.controller=test", "trainers=1", "workers=4", "batch.statistics.eta=2.5", "batch.statistics.ema=0.5"]
 INSTANCES = ["trainers=4", "workers=1"]  # Multi-Instance Training: 4 trainers of 1 worker, merged pairwise
 
 EXPERIMENTS: dict[str, dict[str, list[str]]] = {
@@ -62,7 +62,7 @@ EXPERIMENTS: dict[str, dict[str, list[str]]] = {
         "AdLoCo (1 trainer; gentle test)": ["method=adloco", *GENTLE],
         "AdLoCo (1 trainer; gentle test; b ≤ 16)": ["method=adloco", *GENTLE, "batch.b_cap=16"],
         # H shrinks as b grows, so that a round reads about as many samples as at the start.
-        "AdLoCo (H follows b)": ["method=adloco", "batch.keep_round_time=true"],
+        "AdLoCo (H follows b)": ["method=adloco", "batch.time.keep_round_time=true"],
         "Streaming fp32": ["method=streaming"],
         "Streaming fp4": ["method=streaming", "codec.name=fp4-e2m1"],
     },
@@ -70,13 +70,13 @@ EXPERIMENTS: dict[str, dict[str, list[str]]] = {
         "AdLoCo (b_max 16)": ["method=adloco", *SWITCH],
         "without adaptive batch": ["method=adloco", *SWITCH, "batch.test=constant"],
         "without merging": ["method=adloco", *SWITCH, "merge.policy=off"],
-        "without switch mode (n = 1)": ["method=adloco", *SWITCH, "batch.switch_factor=1"],
+        "without switch mode (n = 1)": ["method=adloco", *SWITCH, "batch.memory.switch_factor=1"],
     },
     "sensitivity": {
-        "η = 0.5": ["method=adloco", *SWITCH, "batch.eta=0.5"],
-        "η = 1.0": ["method=adloco", *SWITCH, "batch.eta=1.0"],
-        "n = 1.5": ["method=adloco", *SWITCH, "batch.switch_factor=1.5"],
-        "n = 3": ["method=adloco", *SWITCH, "batch.switch_factor=3"],
+        "η = 0.5": ["method=adloco", *SWITCH, "batch.statistics.eta=0.5"],
+        "η = 1.0": ["method=adloco", *SWITCH, "batch.statistics.eta=1.0"],
+        "n = 1.5": ["method=adloco", *SWITCH, "batch.memory.switch_factor=1.5"],
+        "n = 3": ["method=adloco", *SWITCH, "batch.memory.switch_factor=3"],
     },
     # The headline comparison again on a second, larger corpus (benchmarks/python_corpus.py), so that nothing is
     # tuned to Tiny Shakespeare.

@@ -8,7 +8,7 @@ same tokens to the token), so each schedule trains in one process and only its t
 benchmarks/auto_sync.py: the medians of the cell's fixed H give the seconds per 1,000 tokens τ and per exchange c
 (time = τ·tokens + c·exchanges, least squares over the fixed H that reached the target), and a schedule's time to
 the target is τ times its tokens plus c times the rounds it exchanged up to the evaluation that crossed the
-target. ``sync_every=auto`` runs with the cell's t and c pinned (``batch.step_seconds``, ``batch.round_seconds``),
+target. ``sync_every=auto`` runs with the cell's t and c pinned (``batch.time.step_seconds`` and ``round_seconds``),
 so its H path is the config's alone; the schedules differ in ``sync_auto.lr_power`` and ``sync_auto.drift_steps``:
 
 - ``rule``: the default (H_d = 400, H* ∝ sqrt(peak lr / lr));
@@ -126,7 +126,10 @@ def measure(args: argparse.Namespace, report: dict[str, Any], command: str) -> N
     tau, exchange = fitted_costs(cell)
     step_seconds = cell["ranks"] * BATCH * CONTEXT * tau / 1000  # a link rank's seconds per inner step
     # in one process every worker is on one rank, whose step time is the sum of its workers'
-    pinned = [f"batch.step_seconds=[{step_seconds / cell['ranks']:.6g},0]", f"batch.round_seconds={exchange:.6g}"]
+    pinned = [
+        f"batch.time.step_seconds=[{step_seconds / cell['ranks']:.6g},0]",
+        f"batch.time.round_seconds={exchange:.6g}",
+    ]
     entry = report.setdefault("cells", {}).setdefault(args.cell, {})
     entry.update(target=cell["target"], tokens=cell["tokens"], workers=cell["ranks"], tau=tau, exchange=exchange,
                  date=date.today().isoformat(), machine=link.machine(), command=command)  # fmt: skip

@@ -20,7 +20,7 @@ os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(tempfile.gettempdir(), "
 # A run small enough for the test suite: tiny LLaMA at context 16, two workers, a few rounds.
 # The time-aware controller's costs, pinned: its decisions then follow the statistics only and reproduce exactly
 # (in one process and across ranks, before and after a resume); the budget bound is relaxed for tiny budgets.
-PINNED_PACE = ["batch.step_seconds=[0.01,0.001]", "batch.round_seconds=0.05", "batch.min_steps_left=1"]
+PINNED_PACE = ["batch.time.step_seconds=[0.01,0.001]", "batch.time.round_seconds=0.05", "batch.time.min_steps_left=1"]
 
 FAST = [
     "model.context=16",

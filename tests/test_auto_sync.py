@@ -35,7 +35,7 @@ def test_auto_follows_the_pinned_costs_within_its_bounds_and_says_why(fast_overr
     four = train(build_config(overrides=[*flat, "workers=4"]))
     assert {r["sync"]["drift_steps"] for r in _rounds(four.run_dir)} == {200}  # half the 2 workers' 400
     # a cheap round: H falls to its lower bound
-    cheap = [*PINNED_PACE[:1], "batch.round_seconds=0.00001", *PINNED_PACE[2:]]
+    cheap = [*PINNED_PACE[:1], "batch.time.round_seconds=0.00001", *PINNED_PACE[2:]]
     fast = train(build_config(overrides=[*fast_overrides, *bounds, "sync_auto.start=8", *cheap]))
     assert [r["sync_every"] for r in _rounds(fast.run_dir)][:4] == [8, 2, 2, 2]
 
@@ -63,7 +63,7 @@ def test_a_fixed_h_records_its_exposed_fraction_and_dispersion(fast_overrides):
     [
         (["method=ddp", "sync_every=auto"], "ddp averages gradients every step"),
         (["sync_every=fast"], "'fast' is neither a number of inner steps nor auto"),
-        (["sync_every=auto", "batch.keep_round_time=true"], "already chooses the round's length"),
+        (["sync_every=auto", "batch.time.keep_round_time=true"], "already chooses the round's length"),
         (["sync_every=auto", "sync_auto.min=9", "sync_auto.max=8"], "larger than sync_auto.max"),
         (["sync_every=auto", "sync_auto.lr_power=5"], "sync_auto.lr_power"),
         (["method=streaming", "sync_every=auto", "sync_auto.min=2", "streaming.overlap=1"], "overlap"),

@@ -344,7 +344,7 @@ def test_print_config_shows_the_resolved_config_and_trains_nothing(tmp_path):
     assert printed["batch"]["test"] == "norm" and printed["batch"]["controller"] == "time"
     assert not (tmp_path / "runs").exists()
     # a bare --print-config is the basic tier, and does not take the override after it as its value
-    basic = _adloco("train", "--print-config", "method=adloco", "batch.eta=0.5", cwd=tmp_path)
+    basic = _adloco("train", "--print-config", "method=adloco", "batch.statistics.eta=0.5", cwd=tmp_path)
     assert basic.returncode == 0, basic.stderr
     shown = yaml.safe_load(basic.stdout)
     assert shown["method"] == "adloco" and shown["outer"] == {"lr": 1.0, "momentum": 0.5}

@@ -21,7 +21,16 @@ def test_the_configuration_reference_has_a_page_per_config_section_with_bounds_a
         assert f"configuration/{section}.md" in pages
         assert f"| [`{section}`](configuration/{section}.md) | " in pages["configuration.md"]
     batch = section_markdown("batch")
-    assert "| `batch.eta` |" in batch and "| `codec.name` |" not in batch  # each key on its own section's page
+    # each key on its own section's page
+    assert "| `batch.statistics.eta` |" in batch and "| `codec.name` |" not in batch
+    # the sub-sections each under a heading of their own, with their tiers, and the keys they took over, old -> new
+    for sub in ("statistics", "time", "scaling", "memory"):
+        assert f"### `batch.{sub}`" in batch
+    assert batch.index("| `batch.allow_shrink` |") < batch.index("### `batch.statistics`")  # own keys first
+    assert "| `batch.time.patience` | advanced | int (≥ 1) | 2 |" in batch
+    assert "| `batch.eta` | `batch.statistics.eta` |" in batch
+    assert "| `batch.lr_scaling` | `batch.scaling.lr` |" in batch
+    assert "(configuration/batch.md#renamed-keys)" in configuration_markdown()
     assert "| `shards` | advanced | int (≥ 1) |" in configuration_markdown()  # bounds from the schema
     assert "| `streaming.overlap` | advanced | int \\| None (≥ 0) |" in section_markdown("streaming")  # | escaped
     assert "[data.md](../data.md)" in section_markdown("data") and "docs/data.md" not in section_markdown("data")

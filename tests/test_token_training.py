@@ -97,7 +97,7 @@ def test_a_model_whose_vocabulary_misses_token_ids_is_refused(tmp_path):
 
 
 def _cluster(corpus, workers: int) -> Cluster:
-    config = build_config(overrides=["model.context=16", "batch.size=3", "batch.b_max=64", "threads=1",
+    config = build_config(overrides=["model.context=16", "batch.size=3", "batch.memory.b_max=64", "threads=1",
                                      "run.progress=false", f"workers={workers}", "elastic=true",
                                      f"data.dataset={corpus}"])  # fmt: skip
     _, task = tokenizer_and_task(config, None)

@@ -8,10 +8,13 @@ import gc
 import math
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from adloco import __version__
-from adloco.errors import first_line
+from adloco.errors import RenamedSettingWarning, first_line
 
 EXIT_USAGE = 2
 
@@ -195,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     # A bare --print-config must not take the override after it as its value: it means the basic tier.
     args = _parser().parse_args(["--print-config=basic" if a == "--print-config" else a for a in argv])
     try:
-        return _command(args)
+        with _notes_on_one_line():
+            return _command(args)
     finally:
         # A torchrun rank that ended in an error left reference cycles (a sharded model's process groups among
         # them) that would otherwise be freed at interpreter exit, where gloo's threads may abort the process.
@@ -203,6 +207,32 @@ def main(argv: list[str] | None = None) -> int:
         distributed = sys.modules.get("adloco.comm.distributed")
         if distributed is not None and distributed.launched_by_torchrun():
             gc.collect()
+
+
+@contextlib.contextmanager
+def _notes_on_one_line() -> Iterator[None]:
+    """A setting given under its old name is noted as ``adloco: NOTE`` on one line (by rank 0 alone under
+    torchrun: every rank reads the same config), not as a warning's file, line and source; other warnings as ever."""
+    previous = warnings.showwarning
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if not issubclass(category, RenamedSettingWarning):
+            previous(message, category, filename, lineno, file, line)
+        elif os.environ.get("RANK", "0") == "0":
+            print(f"adloco: {_one_line(message)}", file=sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
 
 
 def _command(args: argparse.Namespace) -> int:

@@ -17,6 +17,10 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel
 
 from adloco.config import TrainConfig, setting_tier
+from adloco.config.batch import RENAMED
+
+# A section's keys that moved into its sub-sections, old flat name -> new dotted name, listed on its page.
+_RENAMED = {"batch": {f"batch.{old}": f"batch.{sub}.{new}" for old, (sub, new) in RENAMED.items()}}
 
 
 def _type_name(annotation: Any) -> str:
@@ -47,13 +51,14 @@ def _linked(text: str, up: str = "") -> str:
     )
 
 
-def _rows(model: type[BaseModel], prefix: str = "", up: str = "") -> list[str]:
+def _rows(model: type[BaseModel], prefix: str = "", up: str = "", nested: bool = True) -> list[str]:
+    """A table row per key of ``model``; ``nested``: its sub-sections' keys too."""
     rows = []
     defaults = model()
     for name, field in model.model_fields.items():
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            rows.extend(_rows(annotation, f"{prefix}{name}.", up))
+            rows.extend(_rows(annotation, f"{prefix}{name}.", up) if nested else [])
             continue
         default = getattr(defaults, name) if prefix else field.default
         shown = "null" if default is None else repr(default)
@@ -73,6 +78,10 @@ _TABLE = ["| key | tier | type (bounds) | default | meaning |", "| --- | --- | -
 
 def _sections() -> dict[str, type[BaseModel]]:
     return {name: f.annotation for name, f in TrainConfig.model_fields.items() if _is_section(f.annotation)}
+
+
+def _subsections(section: type[BaseModel]) -> dict[str, type[BaseModel]]:
+    return {name: f.annotation for name, f in section.model_fields.items() if _is_section(f.annotation)}
 
 
 def _section_note(section: type[BaseModel], up: str = "") -> str:
@@ -95,6 +104,7 @@ def configuration_markdown() -> str:
         "the machinery (`--print-config=all` shows them too). A value outside a key's bounds, an unknown key or a",
         "key given twice is refused before the run starts, with one line naming it.",
         "",
+        *_renamed_pointer(),
         "## Top-level keys",
         "",
         *_TABLE,
@@ -126,11 +136,50 @@ def section_markdown(name: str) -> str:
         "the top-level keys are listed in [Configuration](../configuration.md).",
         "",
     ]
+    subsections = _subsections(section)
+    if subsections:
+        first = next(iter(subsections))
+        lines += [
+            f"The keys a run commonly sets are `{name}`'s own; the others are grouped in sub-sections, given as",
+            f"`{name}.{first}.KEY=value` or nested under `{first}:` inside `{name}:`.",
+            "",
+        ]
     defaults = _method_defaults(prefix=f"{name}.")
     if defaults:
         lines += defaults
-    lines += ["## Keys", "", *_TABLE, *_rows(section, f"{name}.", "../")]
+    lines += ["## Keys", "", *_TABLE, *_rows(section, f"{name}.", "../", nested=False), ""]
+    for sub, model in subsections.items():
+        lines += [f"### `{name}.{sub}`", "", _section_note(model, "../"), "", *_TABLE]
+        lines += [*_rows(model, f"{name}.{sub}.", "../"), ""]
+    lines += _renamed(name)
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _renamed_pointer() -> list[str]:
+    """A line on the first page naming the sections whose keys moved into sub-sections, linked to their lists."""
+    if not _RENAMED:
+        return []
+    pages = ", ".join(f"[`{name}`](configuration/{name}.md#renamed-keys)" for name in _RENAMED)
+    return [f"Keys moved into sub-sections in this release, with their old names (which still work until the next): "
+            f"{pages}.", ""]  # fmt: skip
+
+
+def _renamed(name: str) -> list[str]:
+    """The section's keys of the last release that moved into sub-sections, old -> new; none where none did."""
+    renamed = _RENAMED.get(name)
+    if not renamed:
+        return []
+    return [
+        "## Renamed keys",
+        "",
+        "These flat names of the previous release still work until the next one (in a YAML file, an override or a",
+        "dict given to `adloco.DiLoCo`), each with a one-line note naming its new key; giving both names of one key",
+        "is an error. A run directory whose saved `config.yaml` uses them resumes as it was started.",
+        "",
+        "| old key | new key |",
+        "| --- | --- |",
+        *(f"| `{old}` | `{new}` |" for old, new in renamed.items()),
+    ]
 
 
 def configuration_pages() -> dict[str, str]:

@@ -18,6 +18,11 @@ class ConfigError(ValueError):
         return super().__str__().replace("\r", "\\r").replace("\n", "\\n")
 
 
+class RenamedSettingWarning(FutureWarning):
+    """A setting given under the name it had before a release renamed it: one line naming the new key (a
+    FutureWarning, so that end users see it, unlike a DeprecationWarning)."""
+
+
 class DataError(ValueError):
     """A data file that cannot be used, reported as one line."""
 

@@ -33,7 +33,7 @@ def model(seed: int = 0, device: str = "cpu") -> torch.nn.Module:
 
 
 # AdLoCo's batch grows on pinned step and round costs, so every launch decides alike
-ADAPTIVE = {"size": 2, "b_cap": 32, "step_seconds": [0.01, 0.001], "round_seconds": 0.05, "min_steps_left": 1}
+ADAPTIVE = {"size": 2, "b_cap": 32, "time": {"step_seconds": [0.01, 0.001], "round_seconds": 0.05, "min_steps_left": 1}}
 
 
 def batch(worker: int, step: int, device: str = "cpu", size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

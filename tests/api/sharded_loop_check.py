@@ -30,7 +30,7 @@ _spec.loader.exec_module(example)
 
 CONTEXT, BATCH, STEPS, STOP, H = 16, 4, 10, 5, 4  # 3 rounds: 4, 4 and a last one of 2; stopped within round 2
 # AdLoCo's batch with pinned costs (decisions that do not hang on this machine's timings), from b = 2
-ADAPTIVE = {"size": 2, "b_cap": 16, "step_seconds": [0.01, 0.001], "round_seconds": 0.05, "min_steps_left": 1}
+ADAPTIVE = {"size": 2, "b_cap": 16, "time": {"step_seconds": [0.01, 0.001], "round_seconds": 0.05, "min_steps_left": 1}}
 
 
 def build(mesh=None):
@@ -93,7 +93,13 @@ def adaptive(mesh, data) -> dict:
     worker = mesh.get_local_rank("replicate")
     windows = data[: len(data) // CONTEXT * CONTEXT].reshape(-1, CONTEXT)
     sharded, whole = (adloco(mesh, windows, s, ADAPTIVE, seed=worker) for s in (True, False))
-    measured = adloco(mesh, windows, True, {**ADAPTIVE, "step_seconds": None, "round_seconds": None}, seed=worker)
+    measured = adloco(
+        mesh,
+        windows,
+        True,
+        {**ADAPTIVE, "time": {**ADAPTIVE["time"], "step_seconds": None, "round_seconds": None}},
+        seed=worker,
+    )
     pairs = zip(sharded["theta"], whole["theta"], strict=True)
     refused = ""
     try:

@@ -11,7 +11,7 @@ import torch
 from adloco import DiLoCo
 from adloco.config import ConfigError
 
-PINNED = {"size": 1, "b_cap": 16, "step_seconds": [0.01, 0.001], "round_seconds": 0.05, "min_steps_left": 1}
+PINNED = {"size": 1, "b_cap": 16, "time": {"step_seconds": [0.01, 0.001], "round_seconds": 0.05, "min_steps_left": 1}}
 DATA = torch.randn(4096, 4, generator=torch.Generator().manual_seed(0))
 
 
@@ -55,7 +55,7 @@ def test_the_inner_lr_is_scaled_for_the_optimizer_step_only():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     seen = []
     optimizer.register_step_post_hook(lambda opt, *_: seen.append(opt.param_groups[0]["lr"]))
-    batch = {**PINNED, "size": 4, "lr_scaling": "linear"}
+    batch = {**PINNED, "size": 4, "scaling": {"lr": "linear"}}
     with DiLoCo(model, optimizer, sync_every=2, method="adloco", batch=batch) as diloco:
         _run(diloco, model, optimizer, 6)
         scale = diloco.batch.lr_scale
@@ -66,7 +66,7 @@ def test_the_inner_lr_is_scaled_for_the_optimizer_step_only():
 def test_a_statistics_step_gives_the_mean_gradient_and_its_statistics():
     model, reference = _model(), _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    diloco = DiLoCo(model, optimizer, sync_every=4, method="adloco", batch={"size": 6, "groups": 3})
+    diloco = DiLoCo(model, optimizer, sync_every=4, method="adloco", batch={"size": 6, "statistics": {"groups": 3}})
     assert diloco.batch.measuring and diloco.batch.samples == 6
     diloco.batch.backward(_loss(model), DATA[:6])
     _loss(reference)(DATA[:6]).backward()
@@ -87,9 +87,13 @@ def test_a_small_batch_reads_two_samples_on_its_statistics_step_and_micro_batche
     diloco.batch.backward(_loss(model), DATA[:2])
     diloco.step()
     assert diloco.batch.samples == 1
-    capped = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, "adloco", batch={"size": 7, "b_max": 4})
+    capped = DiLoCo(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), 2, "adloco", batch={"size": 7, "memory": {"b_max": 4}}
+    )
     assert capped.batch.plan.sizes == (4,)  # switch mode: b_req ≤ 2·b_max runs one capped micro-batch
-    split = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, "adloco", batch={"size": 9, "b_max": 4})
+    split = DiLoCo(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), 2, "adloco", batch={"size": 9, "memory": {"b_max": 4}}
+    )
     assert split.batch.plan.sizes == (3, 3, 3)  # above it, micro-batches that sum to b_req
 
 
@@ -139,13 +143,13 @@ def test_what_a_users_loop_cannot_do_is_one_clear_error():
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match="cross_worker"):
-        DiLoCo(model, optimizer, 2, "adloco", batch={"estimator": "cross_worker"})
+        DiLoCo(model, optimizer, 2, "adloco", batch={"statistics": {"estimator": "cross_worker"}})
     with pytest.raises(ConfigError, match="keep_round_time"):
-        DiLoCo(model, optimizer, 2, "adloco", batch={"keep_round_time": True})
+        DiLoCo(model, optimizer, 2, "adloco", batch={"time": {"keep_round_time": True}})
     with pytest.raises(ConfigError, match="batch"):
         DiLoCo(model, optimizer, 2, "ddp", batch={"test": "norm"})
     with pytest.raises(ConfigError, match="step_seconds"):
-        DiLoCo(model, optimizer, 2, "adloco", batch={"step_seconds": [[0.1, 0.01], [0.1, 0.01]]})
+        DiLoCo(model, optimizer, 2, "adloco", batch={"time": {"step_seconds": [[0.1, 0.01], [0.1, 0.01]]}})
 
 
 def test_a_worker_absent_from_the_round_counts_no_samples_and_no_statistics():

@@ -33,7 +33,7 @@ SETTINGS = [
     "run.trackers=[]",
 ]
 MERGES = ["method=adloco", "trainers=2", "workers=1", "sync_every=2", "batch.size=1", "batch.controller=test",
-          "batch.eta=1.5", "batch.b_cap=64", "merge.every=2", "total_tokens=1200"]  # fmt: skip
+          "batch.statistics.eta=1.5", "batch.b_cap=64", "merge.every=2", "total_tokens=1200"]  # fmt: skip
 STREAMING_FP4 = ["method=streaming", "streaming.fragments=2", "streaming.overlap=1", "codec.name=fp4-e2m1",
                  "codec.error_feedback=true"]  # fmt: skip
 

@@ -206,7 +206,11 @@ def test_a_loop_that_stops_on_its_budget_with_samples_read_stops_within_a_step()
     data = torch.randn(4096, 4, generator=torch.Generator().manual_seed(0))
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    pinned = {"size": 1, "b_cap": 16, "step_seconds": [0.01, 0.001], "round_seconds": 0.05, "min_steps_left": 1}
+    pinned = {
+        "size": 1,
+        "b_cap": 16,
+        "time": {"step_seconds": [0.01, 0.001], "round_seconds": 0.05, "min_steps_left": 1},
+    }
     budget = 200
     diloco = DiLoCo(model, optimizer, sync_every=4, method="adloco", batch=pinned, total_samples=budget)
     read, last = 0, 0

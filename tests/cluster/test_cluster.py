@@ -11,7 +11,7 @@ from adloco.run.training import tokenizer_and_task
 from adloco.workers.group import WorkerGroup
 from tests.conftest import PINNED_PACE as PINNED
 
-TINY = ["model.context=16", "batch.size=3", "batch.b_max=64", "threads=1", "run.progress=false"]
+TINY = ["model.context=16", "batch.size=3", "batch.memory.b_max=64", "threads=1", "run.progress=false"]
 
 
 def _cluster(overrides: list[str]) -> Cluster:
@@ -30,7 +30,7 @@ def _cluster(overrides: list[str]) -> Cluster:
     ],
 )
 def test_a_trainers_batch_sets_its_workers_inner_lr_and_beta2(scaling, b, lr_factor, beta2):
-    cluster = _cluster(["method=diloco", "workers=2", "sync_every=2", f"batch.lr_scaling={scaling}"])
+    cluster = _cluster(["method=diloco", "workers=2", "sync_every=2", f"batch.scaling.lr={scaling}"])
     (trainer,) = cluster.trainers.values()
     trainer.batch_size = b
     cluster.run_round(0, 2, lambda step: 1e-3)
@@ -54,7 +54,7 @@ def test_with_muon_the_batch_scales_both_lrs_and_only_adamws_beta2():
 
 
 def test_the_coupling_can_be_turned_off():
-    cluster = _cluster(["method=diloco", "workers=1", "batch.lr_scaling=none", "batch.beta2_scaling=false"])
+    cluster = _cluster(["method=diloco", "workers=1", "batch.scaling.lr=none", "batch.scaling.beta2=false"])
     (trainer,) = cluster.trainers.values()
     trainer.batch_size = 48
     cluster.run_round(0, 1, lambda step: 1e-3)
@@ -62,7 +62,7 @@ def test_the_coupling_can_be_turned_off():
     assert [(g["lr"], g["betas"]) for g in worker.optimizer.param_groups] == [(1e-3, (0.9, 0.99))] * 2
 
 
-SLOW_SECOND = ["batch.shares=speed", "batch.step_seconds=[[0.0,0.01],[0.0,0.03]]", "batch.size=4"]
+SLOW_SECOND = ["batch.shares=speed", "batch.time.step_seconds=[[0.0,0.01],[0.0,0.03]]", "batch.size=4"]
 
 
 def _theta_after_one_round(cluster: Cluster) -> tuple[list[torch.Tensor], dict[int, list[torch.Tensor]]]:
@@ -99,16 +99,16 @@ def test_equal_shares_keep_the_plain_mean():
 
 
 def test_the_time_controller_prices_a_balanced_trainer_at_its_common_step_time():
-    cluster = _cluster(["method=adloco", "trainers=1", "workers=2", "batch.round_seconds=0.5", *SLOW_SECOND])
+    cluster = _cluster(["method=adloco", "trainers=1", "workers=2", "batch.time.round_seconds=0.5", *SLOW_SECOND])
     (trainer,) = cluster.trainers.values()
     pace = cluster.batches.pace(trainer, None)
     assert pace is not None and pace.cost.per_sample == pytest.approx(2 / (1 / 0.01 + 1 / 0.03))
-    equal = _cluster(["method=adloco", "trainers=1", "workers=2", "batch.round_seconds=0.5", *SLOW_SECOND[1:]])
+    equal = _cluster(["method=adloco", "trainers=1", "workers=2", "batch.time.round_seconds=0.5", *SLOW_SECOND[1:]])
     assert equal.batches.pace(next(iter(equal.trainers.values())), None).cost.per_sample == pytest.approx(0.03)
 
 
 def test_keep_round_time_scales_h_by_the_samples_a_step_reads():
-    cluster = _cluster(["method=diloco", "workers=2", "sync_every=12", "batch.keep_round_time=true"])
+    cluster = _cluster(["method=diloco", "workers=2", "sync_every=12", "batch.time.keep_round_time=true"])
     (trainer,) = cluster.trainers.values()
     assert cluster.inner_steps_per_round() == 12  # batch.size=3 per worker: the start
     trainer.batch_size = 12

@@ -104,7 +104,7 @@ def test_adloco_merges_hand_ranks_over_and_match_in_process(tmp_path):
 # -- sharded workers (HSDP) ------------------------------------------------------------------------------------------
 
 SHARDED = [*BASE, "method=adloco", "workers=2", "sync_every=4", "total_tokens=2048", "batch.size=3",
-           "batch.controller=test", "batch.eta=0.3", "batch.b_cap=8", *PINNED_PACE, "checkpoint.every=1",
+           "batch.controller=test", "batch.statistics.eta=0.3", "batch.b_cap=8", *PINNED_PACE, "checkpoint.every=1",
            "checkpoint.keep=10"]  # fmt: skip
 
 

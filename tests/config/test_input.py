@@ -97,11 +97,11 @@ def test_error_lines_quote_a_short_excerpt_of_a_long_value():
 def test_messages_speak_of_the_setting_not_of_pydantic_types():
     for value in ("5", "[[1,2],[3]]", "[1,2,3]"):
         with pytest.raises(ConfigError) as error:
-            build_config(overrides=[f"batch.step_seconds={value}"])
-        assert str(error.value) == "batch.step_seconds: give [a, c] or a list of [a, c] pairs, one per worker"
+            build_config(overrides=[f"batch.time.step_seconds={value}"])
+        assert str(error.value) == "batch.time.step_seconds: give [a, c] or a list of [a, c] pairs, one per worker"
     with pytest.raises(ConfigError) as error:
-        build_config(overrides=["batch.step_seconds=[1,x]"])
-    assert str(error.value).startswith("batch.step_seconds.1: ") and "tuple[" not in str(error.value)
+        build_config(overrides=["batch.time.step_seconds=[1,x]"])
+    assert str(error.value).startswith("batch.time.step_seconds.1: ") and "tuple[" not in str(error.value)
 
 
 def test_a_python_tag_is_named_as_such(tmp_path):

@@ -25,7 +25,7 @@ def test_defaults_resolve_per_method():
     assert local.outer.lr == 1.0 and local.outer.nesterov is False
     adloco = build_config(overrides=["method=adloco"])
     assert (adloco.trainers, adloco.workers, adloco.batch.test, adloco.batch.controller) == (1, 4, "norm", "time")
-    assert adloco.batch.ema == 0.5 and adloco.merge.policy == "off"  # nothing to merge with one trainer
+    assert adloco.batch.statistics.ema == 0.5 and adloco.merge.policy == "off"  # nothing to merge with one trainer
     instances = build_config(overrides=["method=adloco", "trainers=4", "workers=1"])
     assert instances.merge.policy == "b_req" and instances.merge.shared_init
 
@@ -52,13 +52,16 @@ def test_overrides_parse_yaml_values_and_nested_keys():
         (["method=localsgd", "outer.lr=0.5"], "outer.lr"),
         (["batch.b_min=10", "batch.b_cap=5"], "b_min"),
         (["method=ddp", "batch.shares=speed"], "batch.shares"),
-        (["workers=2", "batch.step_seconds=[[0,0.1]]"], "1 pairs for 2 workers"),
-        (["batch.step_seconds=[]"], "batch.step_seconds"),
-        (["batch.step_seconds=[0,-1]"], "batch.step_seconds"),
-        (["method=streaming", "batch.keep_round_time=true"], "batch.keep_round_time"),
+        (["workers=2", "batch.time.step_seconds=[[0,0.1]]"], "1 pairs for 2 workers"),
+        (["batch.time.step_seconds=[]"], "batch.time.step_seconds"),
+        (["batch.time.step_seconds=[0,-1]"], "batch.time.step_seconds"),
+        (["method=streaming", "batch.time.keep_round_time=true"], "batch.time.keep_round_time"),
         (["elastic=true", "method=adloco", "trainers=2"], "elastic: resizes one trainer"),
         (["elastic=true", "data.streaming=true"], "elastic: a streamed corpus"),
-        (["elastic=true", "workers=2", "batch.step_seconds=[[0,0.1],[0,0.2]]"], "elastic: batch.step_seconds"),
+        (
+            ["elastic=true", "workers=2", "batch.time.step_seconds=[[0,0.1],[0,0.2]]"],
+            "elastic: batch.time.step_seconds",
+        ),
         (["elastic=true", "outer.overlap=eager"], "elastic: outer.overlap=eager"),
         (["shards=0"], "shards"),
         (["shards=2", "elastic=true"], "elastic: resizing a job of sharded workers"),
@@ -91,7 +94,10 @@ def test_yaml_file_and_errors(tmp_path):
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
-    for overrides in (["method=adloco", "batch.eta=0.5"], ["workers=2", "batch.step_seconds=[[0,0.1],[0.01,0.2]]"]):
+    for overrides in (
+        ["method=adloco", "batch.statistics.eta=0.5"],
+        ["workers=2", "batch.time.step_seconds=[[0,0.1],[0.01,0.2]]"],
+    ):
         config = build_config(overrides=overrides)
         path = tmp_path / "config.yaml"
         path.write_text(config.to_yaml())
@@ -181,13 +187,16 @@ def test_a_feedback_decay_without_error_feedback_is_refused():
 def test_settings_come_in_two_tiers_and_the_basic_one_is_short():
     basic, total = count_settings()
     assert 20 <= basic <= 30 and total > 4 * basic  # a short list a new user reads; the rest stays reachable
-    config = build_config(overrides=["method=adloco", "batch.eta=0.5"])
+    config = build_config(overrides=["method=adloco", "batch.statistics.eta=0.5"])
     shown = basic_settings(config)
-    assert shown["method"] == "adloco" and shown["batch"] == {"size": 3}  # batch.eta is an AdLoCo internal
+    assert shown["method"] == "adloco" and shown["batch"] == {"size": 3}  # batch.statistics.eta is an AdLoCo internal
     assert shown["outer"] == {"lr": 1.0, "momentum": 0.5}  # resolved per method, not null
     assert "comm" not in shown and "sync_auto" not in shown  # a section with no basic setting is left out
     flat = [
         f"{s}.{k}" if isinstance(v, dict) else s for s, v in shown.items() for k in (v if isinstance(v, dict) else [s])
     ]
     assert len(flat) == basic and all(known_key(key) for key in flat)
-    assert setting_tier(type(config.batch), "eta") == "advanced" and setting_tier(type(config), "method") == "basic"
+    assert (
+        setting_tier(type(config.batch.statistics), "eta") == "advanced"
+        and setting_tier(type(config), "method") == "basic"
+    )

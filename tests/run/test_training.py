@@ -169,7 +169,7 @@ def test_the_time_aware_controller_grows_b_towards_the_fastest_batch_at_most_2x_
 
 def test_keep_round_time_takes_fewer_inner_steps_per_round_as_b_grows(fast_overrides):
     overrides = [*fast_overrides, "method=adloco", "trainers=1", "workers=2", "batch.size=1", "batch.b_cap=64"]
-    settings = [*PINNED_PACE, "sync_every=8", "total_tokens=8192", "batch.keep_round_time=true"]
+    settings = [*PINNED_PACE, "sync_every=8", "total_tokens=8192", "batch.time.keep_round_time=true"]
     result = train(build_config(overrides=[*overrides, *settings]))
     rounds = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     b_at_start = [1] + [r["batch"]["0"] for r in rounds[:-1]]  # a record holds b after its round
@@ -179,7 +179,7 @@ def test_keep_round_time_takes_fewer_inner_steps_per_round_as_b_grows(fast_overr
 
 
 def test_measured_costs_feed_the_time_aware_controller(fast_overrides):
-    overrides = [*fast_overrides, "method=adloco", "trainers=1", "workers=2", "batch.min_steps_left=1"]
+    overrides = [*fast_overrides, "method=adloco", "trainers=1", "workers=2", "batch.time.min_steps_left=1"]
     result = train(build_config(overrides=[*overrides, "sync_every=2", "total_tokens=2048"]))
     rounds = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r["kind"] == "round"]
     timed = [r["batch_test"]["0"]["timed"] for r in rounds]
@@ -191,9 +191,9 @@ def test_measured_costs_feed_the_time_aware_controller(fast_overrides):
     "variant",
     [
         ["batch.test=inner_product"],
-        ["batch.estimator=cross_worker"],
+        ["batch.statistics.estimator=cross_worker"],
         ["merge.policy=pairwise_reference"],
-        ["batch.test=constant", "merge.policy=off", "batch.switch_factor=1"],
+        ["batch.test=constant", "merge.policy=off", "batch.memory.switch_factor=1"],
     ],
 )
 def test_adloco_variants_run_and_log_their_statistics(variant, fast_overrides):
@@ -210,7 +210,7 @@ def test_adloco_variants_run_and_log_their_statistics(variant, fast_overrides):
         assert not any(r["kind"] == "merge" for r in records)
     else:
         assert any(r["kind"] == "merge" for r in records)
-    if "batch.estimator=cross_worker" in variant:
+    if "batch.statistics.estimator=cross_worker" in variant:
         # the paper's estimator gathers each worker's full gradient: far more than scalars travel
         params = sum(t.numel() for t in final_params(result.run_dir).values())
         assert rounds[0]["bytes"] > 2 * 2 * 4 * params * 2 - 1

@@ -169,7 +169,7 @@ def _model_run(tmp_path, overrides: list[str], rounds: int = 30) -> tuple[object
     run = tmp_path / "model-run"
     run.mkdir()
     (run / "config.yaml").write_text(config.to_yaml())
-    inner, workers, steps, ema = config.inner, config.workers, config.sync_every, config.batch.ema
+    inner, workers, steps, ema = config.inner, config.workers, config.sync_every, config.batch.statistics.ema
     adaptive = config.batch.b_cap > config.batch.b_min
     loss, b, step, tokens = 4.0, config.batch.size, 0, 0
     smoothed: tuple[float, float] | None = None
@@ -183,9 +183,11 @@ def _model_run(tmp_path, overrides: list[str], rounds: int = 30) -> tuple[object
             loss -= KAPPA * lr * g * (workers * b) / (workers * b + SIGMA2 / g)
         step, tokens = step + steps, tokens + steps * per_step
         g = SCALE_G * math.exp(BETA * loss)
-        # What the batch test logs with batch.ema = a: a·previous + (1 − a)·this round's value.
+        # What the batch test logs with batch.statistics.ema = a: a·previous + (1 − a)·this round's value.
         smoothed = (g, SIGMA2) if smoothed is None else (ema * smoothed[0] + (1 - ema) * g, SIGMA2)
-        after = norm_test_batch(g, SIGMA2, workers, config.batch.eta, b, config.batch.b_cap) if adaptive else b
+        after = (
+            norm_test_batch(g, SIGMA2, workers, config.batch.statistics.eta, b, config.batch.b_cap) if adaptive else b
+        )
         records.append(
             {
                 "kind": "round",
@@ -211,8 +213,8 @@ def _model_run(tmp_path, overrides: list[str], rounds: int = 30) -> tuple[object
     "overrides",
     [
         ["batch.test=norm", "batch.size=3", "batch.b_min=3", "batch.b_cap=3"],
-        ["batch.test=norm", "batch.size=3", "batch.b_min=3", "batch.b_cap=3", "batch.ema=0.5"],
-        ["batch.test=norm", "batch.size=1", "batch.eta=1.0", "batch.b_cap=64"],  # b grows during the run
+        ["batch.test=norm", "batch.size=3", "batch.b_min=3", "batch.b_cap=3", "batch.statistics.ema=0.5"],
+        ["batch.test=norm", "batch.size=1", "batch.statistics.eta=1.0", "batch.b_cap=64"],  # b grows during the run
     ],
     ids=["fixed-b", "ema", "norm-test"],
 )
@@ -229,7 +231,7 @@ def test_a_run_that_follows_the_model_is_predicted_exactly(tmp_path, overrides):
     records = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "round"]
     assert result["prediction"]["tokens"] == records[20]["tokens"]
     assert result["prediction"]["final_batch"] == records[20]["plan"]["0"]["samples"]
-    if "batch.eta=1.0" in overrides:
+    if "batch.statistics.eta=1.0" in overrides:
         assert records[5]["batch"]["0"] < result["prediction"]["final_batch"], "b must grow after calibration"
 
 

@@ -69,7 +69,7 @@ class AdaptiveBatch:
         self.trainers, self.worker_id = trainers, worker_id  # the loop's own dict: merges remove trainers from it
         self.total_workers = sum(len(t.worker_ids) for t in trainers.values())
         self.rounds, self.total_samples = rounds, total_samples  # rounds: their H (auto: b weighed at the H chosen)
-        self.b_max = batch.b_max or batch.b_cap  # no probe of the user's model: given, or the test's cap
+        self.b_max = batch.memory.b_max or batch.b_cap  # no probe of the user's model: given, or the test's cap
         self.costs = _pinned_costs(batch, self.total_workers)
         self.samples_done = 0  # samples the rounds that ended read, over every worker (the budget's count)
         # samples each worker (of every trainer) reads in those rounds, as planned: where a replica that heals
@@ -102,13 +102,14 @@ class AdaptiveBatch:
 
     def _plans(self) -> dict[int, MicroBatchPlan]:
         return {
-            k: plan_micro_batches(t.batch.size, self.b_max, self.config.switch_factor) for k, t in self.trainers.items()
+            k: plan_micro_batches(t.batch.size, self.b_max, self.config.memory.switch_factor)
+            for k, t in self.trainers.items()
         }
 
     # -- the round -----------------------------------------------------------------------------------------------
     def start_round(self, round_index: int) -> None:
         """A round begins: its plan, whether its first step measures, and β2 for its batch (b holds still)."""
-        self.statistics_due = round_index % self.config.test_every == 0
+        self.statistics_due = round_index % self.config.statistics.every == 0
         self.first_step, self.statistics, self.compute_seconds = True, None, 0.0
         self.round_steps = 0
         self._round_started = time.perf_counter()
@@ -181,7 +182,7 @@ class AdaptiveBatch:
                              "sampler seed) and backward() runs its own share")  # fmt: skip
 
     def _measured_backward(self, loss_of: Callable[[int, int], torch.Tensor], batch: int) -> float:
-        sizes = split_evenly(batch, min(batch, self.config.groups))
+        sizes = split_evenly(batch, min(batch, self.config.statistics.groups))
         gram = self.config.test == "inner_product"
         rows = [local_rows(p) for p in self.params]
         grouped = GroupedGradient(sizes, sum(r.numel() for r in rows), gram, rows[0].device)
@@ -263,7 +264,7 @@ class AdaptiveBatch:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def pinned_seconds(self) -> tuple[float, float] | None:
-        """(t, c) as ``batch.step_seconds`` and ``batch.round_seconds`` pin them, both given (one worker a rank),
+        """(t, c) as ``batch.time.step_seconds`` and ``round_seconds`` pin them, both given (one worker a rank),
         t at the b each trainer just decided (the coming round's, as adloco train's); None where either is
         measured."""
         plans = self._plans()
@@ -339,7 +340,9 @@ class AdaptiveBatch:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["costs"] is not None:
             base = {int(w): StepCost(*c) for w, c in state["costs"]["base"].items()}
-            self.costs = self.costs or CostModel(base, self.config.step_seconds is None, self.config.round_seconds)
+            self.costs = self.costs or CostModel(
+                base, self.config.time.step_seconds is None, self.config.time.round_seconds
+            )
             self.costs.load_state_dict(state["costs"])
         self.samples_done = int(state["samples_done"])
         by_worker = state.get("samples_by_worker")
@@ -417,19 +420,23 @@ class BatchSampler(torch.utils.data.Sampler):
 
 
 def _check_supported(batch: BatchConfig) -> None:
-    if batch.estimator != "microbatch":
-        raise ConfigError("batch.estimator: a user's loop measures with 'microbatch' (cross_worker is adloco train's)")
-    if batch.shares != "equal" or batch.keep_round_time:
-        raise ConfigError("batch: shares=speed and keep_round_time are adloco train's (one worker per rank here)")
+    if batch.statistics.estimator != "microbatch":
+        raise ConfigError(
+            "batch.statistics.estimator: a user's loop measures with 'microbatch' (cross_worker is adloco train's)"
+        )
+    if batch.shares != "equal" or batch.time.keep_round_time:
+        raise ConfigError("batch: shares=speed and time.keep_round_time are adloco train's (one worker per rank here)")
 
 
 def _pinned_costs(batch: BatchConfig, world_size: int) -> CostModel | None:
-    """Step costs pinned in ``batch.step_seconds`` (a worker per rank), or None: measured after the first round."""
+    """Step costs pinned in ``batch.time.step_seconds`` (a worker per rank), or None: measured after the first
+    round."""
     if batch.controller != "time":
         return None
-    if isinstance(batch.step_seconds, list) and len(batch.step_seconds) != world_size:
-        raise ConfigError(f"batch.step_seconds: {len(batch.step_seconds)} workers given, the job has {world_size}")
-    return pinned_costs(batch, range(world_size))
+    pinned = batch.time.step_seconds
+    if isinstance(pinned, list) and len(pinned) != world_size:
+        raise ConfigError(f"batch.time.step_seconds: {len(pinned)} workers given, the job has {world_size}")
+    return pinned_costs(batch.time, range(world_size))
 
 
 def _measured_costs(batch: BatchConfig, reports: Mapping[int, WorkerRound], samples: Mapping[int, int]) -> CostModel:
@@ -442,4 +449,4 @@ def _measured_costs(batch: BatchConfig, reports: Mapping[int, WorkerRound], samp
     present = [base[w] for w, report in reports.items() if not report.absent]
     for w in (w for w, report in reports.items() if report.absent and present):
         base[w] = max(present, key=lambda cost: (cost.per_sample, cost.overhead))
-    return CostModel(base, True, batch.round_seconds)
+    return CostModel(base, True, batch.time.round_seconds)

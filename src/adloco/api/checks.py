@@ -23,7 +23,7 @@ def job_fingerprint(
     """What every rank must agree on, as it decides which collectives run, each under its name: the method, H,
     fragments, codec, batch, trainers and merges, the health checks, each rank's model shapes and dtypes and which
     shard of its worker it holds (the ranks that exchange hold the same rows of different workers)."""
-    batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.b_max)
+    batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.memory.b_max)
     merge = (config.trainers, config.merge.policy, config.merge.every, config.merge.group_size)
     codec = (config.codec.name, config.codec.density, config.codec.value_bits, config.codec.chunk_size)
     settings = {"method": config.method, "sync_every": config.sync_every, "streaming.fragments":

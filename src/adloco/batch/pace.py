@@ -21,7 +21,7 @@ from adloco.algorithms.shares import balanced_cost
 from adloco.workers.reports import WorkerRound, exchange_time
 
 if TYPE_CHECKING:
-    from adloco.config import BatchConfig
+    from adloco.config import BatchTimeConfig
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +121,11 @@ class CostModel:
             self.round_seconds = float(state["round_seconds"])
 
 
-def pinned_costs(batch: BatchConfig, worker_ids: Iterable[int]) -> CostModel | None:
-    """The cost model ``batch.step_seconds`` pins (one [a, c] for every worker, or one per worker id), or None."""
-    if batch.step_seconds is None:
+def pinned_costs(time: BatchTimeConfig, worker_ids: Iterable[int]) -> CostModel | None:
+    """The cost model ``batch.time.step_seconds`` pins (one [a, c] for every worker, or one per worker id), or
+    None."""
+    if time.step_seconds is None:
         return None
-    if isinstance(batch.step_seconds, list):
-        return CostModel({w: StepCost(*batch.step_seconds[w]) for w in worker_ids}, False, batch.round_seconds)
-    return CostModel(dict.fromkeys(worker_ids, StepCost(*batch.step_seconds)), False, batch.round_seconds)
+    if isinstance(time.step_seconds, list):
+        return CostModel({w: StepCost(*time.step_seconds[w]) for w in worker_ids}, False, time.round_seconds)
+    return CostModel(dict.fromkeys(worker_ids, StepCost(*time.step_seconds)), False, time.round_seconds)

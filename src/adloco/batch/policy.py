@@ -19,9 +19,9 @@ def batch_coupling(batch: BatchConfig) -> BatchCoupling:
     """How a trainer's inner lr and AdamW β2 follow its batch size, as ``batch`` configures it."""
     return BatchCoupling(
         b_start=batch.size,
-        lr_exponent=LR_EXPONENTS[batch.lr_scaling],
-        lr_cap=batch.lr_scale_max,
-        scale_beta2=batch.beta2_scaling,
+        lr_exponent=LR_EXPONENTS[batch.scaling.lr],
+        lr_cap=batch.scaling.lr_max,
+        scale_beta2=batch.scaling.beta2,
     )
 
 
@@ -50,10 +50,10 @@ class TrainerBatch:
         assert batch.test is not None and batch.controller is not None
         controller = BatchSizeController(
             test=batch.test,
-            eta=batch.eta,
-            theta=batch.theta,
-            nu=batch.nu,
-            ema=batch.ema,
+            eta=batch.statistics.eta,
+            theta=batch.statistics.theta,
+            nu=batch.statistics.nu,
+            ema=batch.statistics.ema,
             b_min=batch.b_min,
             b_cap=batch.b_cap,
             allow_shrink=batch.allow_shrink,
@@ -63,8 +63,8 @@ class TrainerBatch:
             timed = TimeAwareController(
                 b_min=batch.b_min,
                 b_cap=batch.b_cap,
-                patience=batch.patience,
-                max_growth=batch.max_growth,
+                patience=batch.time.patience,
+                max_growth=batch.time.max_growth,
                 allow_shrink=batch.allow_shrink,
             )
         return cls(batch.size, controller, timed, batch_coupling(batch))
@@ -144,11 +144,11 @@ def pace_for(
     total_workers: int,
 ) -> Pace | None:
     """The costs a time-aware decision weighs for a trainer of ``worker_ids``; b grows only while the budget
-    (``tokens_left``) holds ``batch.min_steps_left`` steps of every worker."""
+    (``tokens_left``) holds ``batch.time.min_steps_left`` steps of every worker."""
     if costs is None or batch.controller != "time":
         return None
     limit = None
     if tokens_left is not None:
-        limit = tokens_left // (batch.min_steps_left * tokens_per_sample * total_workers)
+        limit = tokens_left // (batch.time.min_steps_left * tokens_per_sample * total_workers)
     cost = costs.trainer_cost(worker_ids, balanced=batch.shares == "speed")
     return Pace(cost, costs.round_seconds, sync_every, limit)

@@ -44,7 +44,7 @@ class RoundBatches:
         self.lr_ratio = 1.0  # the inner lr of the coming round over its peak (set by the cluster at each boundary)
 
     def worker_plan(self, worker_id: int, b_req: int) -> MicroBatchPlan:
-        return plan_micro_batches(b_req, self.b_max[worker_id], self.batch.switch_factor)
+        return plan_micro_batches(b_req, self.b_max[worker_id], self.batch.memory.switch_factor)
 
     def plans(self) -> dict[int, MicroBatchPlan]:
         """Each trainer's switch-mode plan for its current b_req (on its first worker's device)."""
@@ -78,17 +78,17 @@ class RoundBatches:
         return sum(self.samples_per_step().values()) * self.context
 
     def inner_steps_per_round(self) -> int:
-        """H (with ``sync_every=auto`` as last decided), or with ``batch.keep_round_time`` H scaled down by how many
-        more samples a step reads than at the start (the same on every rank: it follows the plans)."""
+        """H (with ``sync_every=auto`` as last decided), or with ``batch.time.keep_round_time`` H scaled down by how
+        many more samples a step reads than at the start (the same on every rank: it follows the plans)."""
         if self.auto is not None:
             return self.auto.sync_every
-        if not self.batch.keep_round_time:
+        if not self.batch.time.keep_round_time:
             return self.sync_every
         start = self.batch.size * self.total_workers
         return max(1, round(self.sync_every * start / sum(self.samples_per_step().values())))
 
     def statistics_due(self, round_index: int) -> bool:
-        return self.collect_statistics and round_index % self.batch.test_every == 0
+        return self.collect_statistics and round_index % self.batch.statistics.every == 0
 
     def decide(
         self,
@@ -102,7 +102,7 @@ class RoundBatches:
             return
         for trainer in taking_part:
             reports = [state.reports[w] for w in trainer.worker_ids]
-            if self.batch.estimator != "cross_worker":
+            if self.batch.statistics.estimator != "cross_worker":
                 trainer.batch.decide_from_reports(reports, self.pace(trainer, tokens_left))
             elif not any(r.out for r in reports):  # a partial measurement is not a measurement
                 statistics = cross_worker(trainer)
@@ -124,14 +124,14 @@ class RoundBatches:
                                self.lr_ratio, self.pinned_seconds(worker_rank))  # fmt: skip
 
     def pinned_seconds(self, worker_rank: Mapping[int, int]) -> tuple[float, float] | None:
-        """(t, c) as ``batch.step_seconds`` and ``batch.round_seconds`` pin them (``pinned_seconds``)."""
+        """(t, c) as ``batch.time.step_seconds`` and ``round_seconds`` pin them (``pinned_seconds``)."""
         return pinned_seconds(self.costs, self.samples_per_step(), worker_rank)
 
 
 def pinned_seconds(
     costs: CostModel | None, samples: Mapping[int, int], worker_rank: Mapping[int, int]
 ) -> tuple[float, float] | None:
-    """(t, c) as ``batch.step_seconds`` and ``batch.round_seconds`` pin them, both given: the busiest rank's step
+    """(t, c) as ``batch.time.step_seconds`` and ``round_seconds`` pin them, both given: the busiest rank's step
     at each worker's ``samples`` per step and the round's overhead; None where either is measured."""
     if costs is None or costs.follow_steps or costs.pinned_round is None:
         return None

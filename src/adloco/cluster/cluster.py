@@ -82,23 +82,24 @@ def resolve_b_max(
     workers_on_device: int = 1,
 ) -> int:
     """b_max from the config, or probed with real steps (of ``task``'s batches and loss): on CUDA under each
-    worker's share of ``memory_fraction`` of the device, on CPU under ``memory_budget_mb`` of process memory
-    (without a budget a CPU worker is limited by b_cap)."""
-    batch = config.batch
-    if batch.b_max is not None:
-        return batch.b_max
+    worker's share of ``batch.memory.fraction`` of the device, on CPU under ``batch.memory.budget_mb`` of process
+    memory (without a budget a CPU worker is limited by b_cap)."""
+    batch, memory = config.batch, config.batch.memory
+    if memory.b_max is not None:
+        return memory.b_max
     if config.shards > 1:  # a probe would hold the whole model on one device, and its shards would have to agree
         log.info(
-            "sharded workers: no b_max probe; micro-batches of up to batch.b_cap=%d (set batch.b_max)", batch.b_cap
+            "sharded workers: no b_max probe; micro-batches of up to batch.b_cap=%d (set batch.memory.b_max)",
+            batch.b_cap,
         )
         return batch.b_cap
     device = next(model.parameters()).device
     meter: MemoryMeter
     if device.type == "cuda":
         cuda = CudaMemoryMeter(device)
-        meter, budget = cuda, cuda_budget(batch.memory_fraction, cuda.capacity_bytes(), workers_on_device)
-    elif batch.memory_budget_mb is not None:
-        meter, budget = ProcessMemoryMeter(), int(batch.memory_budget_mb * 2**20)
+        meter, budget = cuda, cuda_budget(memory.fraction, cuda.capacity_bytes(), workers_on_device)
+    elif memory.budget_mb is not None:
+        meter, budget = ProcessMemoryMeter(), int(memory.budget_mb * 2**20)
     else:
         return batch.b_cap
     step = training_step_at(model, context, vocab_size, task, config.precision)
@@ -144,7 +145,7 @@ class Cluster:
         self.b_max = {w: int(v[0]) for w, v in shared.items()}
         self.engine = RankEngine(self.workers, self.groups, self.b_max, config.batch)
         timed = config.batch.controller == "time" or config.batch.shares == "speed"
-        self.costs = self._cost_model(template) if timed else pinned_costs(config.batch, self.worker_rank)
+        self.costs = self._cost_model(template) if timed else pinned_costs(config.batch.time, self.worker_rank)
         shape = (config.total_workers, config.first_sync_every, self.context)
         self.batches = RoundBatches(config.batch, self.trainers, self.b_max, self.costs, shape,
                                     self.collect_statistics, auto_sync_every(config))  # fmt: skip
@@ -157,7 +158,7 @@ class Cluster:
     def _cost_model(self, template: torch.nn.Module) -> CostModel:
         """Step costs timed on this rank's device (or pinned in the config), shared so every rank has all."""
         batch = self.config.batch
-        pinned = pinned_costs(batch, self.worker_rank)
+        pinned = pinned_costs(batch.time, self.worker_rank)
         if pinned is not None:
             return pinned
         worker_id = min(self.workers)
@@ -171,7 +172,7 @@ class Cluster:
         timed = self.comm.sum_over_shards(torch.tensor([cost.overhead, cost.per_sample], dtype=torch.float64))
         timed = timed / self.comm.shards
         shared = self.comm.gather_worker_scalars({w: timed.tolist() for w in self.workers})
-        return CostModel({w: StepCost(*v) for w, v in shared.items()}, True, batch.round_seconds)
+        return CostModel({w: StepCost(*v) for w, v in shared.items()}, True, batch.time.round_seconds)
 
     def _build(self, layout: dict[int, list[int]]) -> tuple[torch.nn.Module, int]:
         """Trainers from their initial models, and the worker slots this rank hosts."""

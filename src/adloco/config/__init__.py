@@ -1,6 +1,8 @@
 """The run's configuration: one validated object (pydantic) read from YAML plus ``key.sub=value`` overrides, its
-sections (``config.sections``), and the safe reading of its input (``config.input``)."""
+sections (``config.sections``; ``batch`` and its sub-sections in ``config.batch``), and the safe reading of its input
+(``config.input``)."""
 
+from adloco.config.batch import BatchMemoryConfig, BatchScalingConfig, BatchStatisticsConfig, BatchTimeConfig
 from adloco.config.train import (
     HF_PREFIX,
     RUN_CONFIG_FILE,
@@ -33,6 +35,10 @@ from adloco.config.train import (
 
 __all__ = [
     "BatchConfig",
+    "BatchMemoryConfig",
+    "BatchScalingConfig",
+    "BatchStatisticsConfig",
+    "BatchTimeConfig",
     "CheckpointConfig",
     "CodecConfig",
     "CommConfig",

@@ -1,10 +1,10 @@
-"""The sections of the run configuration (``model``, ``data``, ``inner``, ``outer``, ``batch``, ``merge``, ``eval``,
-``checkpoint``, ``streaming``, ``codec``, ``comm``, ``run``): each component takes its own."""
+"""The sections of the run configuration (``model``, ``data``, ``inner``, ``outer``, ``merge``, ``eval``,
+``checkpoint``, ``streaming``, ``codec``, ``comm``, ``run``; ``batch`` in config/batch.py): each component takes its
+own."""
 
 from __future__ import annotations
 
 import glob
-import math
 import os
 from typing import Any, Literal
 
@@ -230,118 +230,6 @@ class OuterConfig(_Section):
         "none",
         description="diloco/localsgd: exchange Δ during the next round; 'delayed' applies it a round late, "
         "'eager' also applies each worker's own fresh share at once (arXiv 2502.12996).",
-    )
-
-
-StepSeconds = tuple[float, float] | list[tuple[float, float]]  # one [a, c] for every worker, or one per worker
-
-
-class BatchConfig(_Section):
-    """The per-worker batch, and for AdLoCo how it adapts: the batch test, the time-aware controller and
-    switch mode (docs/batch-size.md)."""
-
-    size: int = Field(
-        3, ge=1, description="Per-worker batch b (samples per inner step) at the start.", json_schema_extra=BASIC
-    )
-    test: Literal["constant", "norm", "inner_product"] | None = Field(
-        None, description="Batch-size test; default 'norm' for adloco, 'constant' otherwise."
-    )
-    controller: Literal["time", "test"] | None = Field(
-        None,
-        description="How b changes: 'time' picks the batch that reaches a loss soonest on the measured step and "
-        "round times (default for adloco); 'test' follows batch.test (default otherwise). See docs/batch-size.md.",
-    )
-    patience: int = Field(
-        2, ge=1, description="controller=time: decisions in a row that point the same way before b moves."
-    )
-    max_growth: float = Field(2.0, gt=1, description="controller=time: b grows at most this factor per decision.")
-    min_steps_left: int = Field(
-        50, ge=1, description="controller=time: b grows only while the remaining budget holds this many inner steps."
-    )
-    step_seconds: StepSeconds | None = Field(
-        None,
-        description="controller=time or shares=speed: pin a worker's step time t(b) = a + c·b as [a, c] seconds, "
-        "one pair for all workers or a list with one per worker (decisions and shares then reproduce exactly, with "
-        "batch.round_seconds); null: time it and follow the real steps.",
-    )
-    keep_round_time: bool = Field(
-        False,
-        description="As b grows, take fewer inner steps per round so a round reads about as many samples as at "
-        "the start: H_r = max(1, round(H·samples at the start / samples now)); not with method=streaming.",
-    )
-    shares: Literal["equal", "speed"] = Field(
-        "equal",
-        description="How a trainer's M·b samples per step are split over its workers: 'equal' (b each) or 'speed' "
-        "(in proportion to each worker's measured speed, pseudo-gradients averaged with sample weights).",
-    )
-    round_seconds: float | None = Field(
-        None, ge=0, description="controller=time: pin a round's exchange and waiting time; null: measure it."
-    )
-
-    @field_validator("step_seconds", mode="before")
-    @classmethod
-    def _pairs(cls, value: Any) -> Any:
-        # Said here in the setting's own words: pydantic would name the union member it tried last.
-        def pair(item: Any) -> bool:
-            return (
-                isinstance(item, list | tuple) and len(item) == 2 and not any(isinstance(x, list | tuple) for x in item)
-            )
-
-        if value is None or pair(value) or (isinstance(value, list | tuple) and value and all(pair(x) for x in value)):
-            return value
-        raise ValueError("give [a, c] or a list of [a, c] pairs, one per worker")
-
-    @field_validator("step_seconds")
-    @classmethod
-    def _positive_cost(cls, value: StepSeconds | None) -> StepSeconds | None:
-        pairs = [] if value is None else value if isinstance(value, list) else [value]
-        if isinstance(value, list) and not value:
-            raise ValueError("give [a, c] or a list of [a, c] pairs, one per worker")
-        for a, c in pairs:
-            if min(a, c) < 0 or max(a, c) <= 0 or not (math.isfinite(a) and math.isfinite(c)):
-                raise ValueError("give [a, c] with a, c >= 0, finite, and not both 0")
-        return value
-
-    estimator: Literal["microbatch", "cross_worker"] = Field(
-        "microbatch", description="Gradient-variance estimator for the batch test."
-    )
-    eta: float = Field(0.8, gt=0, description="Norm-test tolerance η.")
-    theta: float = Field(0.8, gt=0, description="Augmented inner-product test: ϑ (inner-product part).")
-    nu: float = Field(1.0, gt=0, description="Augmented inner-product test: ν (orthogonal part).")
-    ema: float = Field(
-        0.5, ge=0, lt=1, description="EMA smoothing of the test statistics across rounds (0: each round alone)."
-    )
-    groups: int = Field(4, ge=2, description="k_max: groups the first step of a round is split into.")
-    b_min: int = Field(1, ge=1, description="Smallest per-worker batch the test may ask for.")
-    b_cap: int = Field(64, ge=1, description="Largest per-worker batch the test may ask for.")
-    allow_shrink: bool = Field(False, description="Let the test lower b (default: b never decreases).")
-    test_every: int = Field(1, ge=1, description="Run the batch test every this many rounds.")
-    switch_factor: float = Field(2.0, ge=1, description="Switch mode n: accumulate only when b_req > n·b_max.")
-    lr_scaling: Literal["none", "sqrt", "linear"] = Field(
-        "sqrt",
-        description="When a trainer's b changes, scale its inner lr by (b/batch.size)^α: none α=0, sqrt α=0.5, "
-        "linear α=1 (see docs/batch-size.md).",
-    )
-    lr_scale_max: float = Field(
-        4.0, ge=1, description="The inner lr is scaled by at most this factor (and at least its inverse)."
-    )
-    beta2_scaling: bool = Field(
-        True, description="When b changes, AdamW β2 → β2^(b/batch.size): the same memory in samples."
-    )
-    b_max: int | None = Field(
-        None,
-        ge=1,
-        description="Largest micro-batch per worker; null: probe it under the memory budget, or b_cap without one.",
-    )
-    memory_fraction: float = Field(
-        0.9,
-        gt=0,
-        le=1,
-        description="b_max probe on CUDA: share of the GPU's memory the workers a rank hosts on it may peak at; "
-        "each worker's step gets an equal part.",
-    )
-    memory_budget_mb: float | None = Field(
-        None, gt=0, description="b_max probe on CPU: peak process memory (MiB) a step may reach; null: no probe."
     )
 
 

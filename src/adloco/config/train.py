@@ -10,11 +10,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from adloco.algorithms.schedules import validate_schedule
+from adloco.config.batch import BatchConfig, new_name, upgrade_batch
 from adloco.config.input import YAMLInputError, apply_overrides, excerpt, load_yaml
 from adloco.config.sections import (
     BASIC,
     HF_PREFIX,
-    BatchConfig,
     CheckpointConfig,
     CodecConfig,
     CommConfig,
@@ -53,7 +53,7 @@ __all__ = [
     "build_config",
     "load_config",
     "resume_config",
-]  # the sections live in config/sections.py
+]  # the sections live in config/sections.py, the batch section in config/batch.py
 
 Method = Literal["ddp", "localsgd", "diloco", "adloco", "streaming"]
 
@@ -300,18 +300,19 @@ class TrainConfig(BaseModel):
             return
         if self.method == "ddp":
             raise ValueError("sync_every: ddp averages gradients every step; auto chooses H for DiLoCo-family methods")
-        if self.batch.keep_round_time:
-            raise ValueError("batch.keep_round_time: sync_every=auto already chooses the round's length")
+        if self.batch.time.keep_round_time:
+            raise ValueError("batch.time.keep_round_time: sync_every=auto already chooses the round's length")
 
     def _check_shares(self) -> None:
         batch = self.batch
-        if batch.keep_round_time and self.method == "streaming":
-            raise ValueError("batch.keep_round_time: streaming's fragment schedule needs a fixed H (sync_every)")
+        if batch.time.keep_round_time and self.method == "streaming":
+            raise ValueError("batch.time.keep_round_time: streaming's fragment schedule needs a fixed H (sync_every)")
         if batch.shares == "speed" and self.method == "ddp":
             raise ValueError("batch.shares: ddp averages gradients every step; shares apply to DiLoCo-family methods")
-        if isinstance(batch.step_seconds, list) and len(batch.step_seconds) != self.total_workers:
+        step_seconds = batch.time.step_seconds
+        if isinstance(step_seconds, list) and len(step_seconds) != self.total_workers:
             raise ValueError(
-                f"batch.step_seconds: {len(batch.step_seconds)} pairs for {self.total_workers} workers; "
+                f"batch.time.step_seconds: {len(step_seconds)} pairs for {self.total_workers} workers; "
                 "give one [a, c] for all or one per worker"
             )
 
@@ -347,8 +348,8 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 "elastic: a streamed corpus is dealt out to a fixed worker count; use the in-memory one or token files"
             )
-        if isinstance(self.batch.step_seconds, list):
-            raise ValueError("elastic: batch.step_seconds pins one pair per worker; give one [a, c] for all")
+        if isinstance(self.batch.time.step_seconds, list):
+            raise ValueError("elastic: batch.time.step_seconds pins one pair per worker; give one [a, c] for all")
         if self.outer.overlap == "eager":
             raise ValueError("elastic: outer.overlap=eager keeps a copy of θ per worker that a joining worker lacks")
 
@@ -417,7 +418,8 @@ def _describe(error: ValidationError) -> str:
     message = first["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
-        return message if location == "config" else f"{location}: {message}"
+        # a message that names its own keys (a section's rule across them) needs no prefix
+        return message if location == "config" or message.startswith(f"{location}.") else f"{location}: {message}"
     if first["type"] == "int_parsing_size":
         message = "not a number this setting can hold (too many digits)"
     given = first.get("input")
@@ -473,6 +475,12 @@ def _unsafe_message(key: str, elastic: bool) -> str:
     return f"'{key}' cannot change when a run resumes{unless}; only {_safe_keys(elastic)} can"
 
 
+def _as_named_now(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved config's flat batch keys of an older version in their sub-sections, silently (no user wrote them)."""
+    batch = saved.get("batch")
+    return {**saved, "batch": upgrade_batch(batch, note=False)} if isinstance(batch, dict) else saved
+
+
 def resume_config(run_dir: Path, overrides: list[str] | None = None) -> TrainConfig:
     """The resolved config a run directory was started with, plus resume-safe ``overrides`` (no model stack)."""
     path = run_dir / RUN_CONFIG_FILE
@@ -482,14 +490,19 @@ def resume_config(run_dir: Path, overrides: list[str] | None = None) -> TrainCon
         raise ConfigError(f"run directory '{run_dir}' does not exist")
     if not path.exists():
         raise ConfigError(f"'{run_dir}' is not a run directory (no {RUN_CONFIG_FILE})")
-    elastic = load_config(path).elastic
+    saved = _read_config_file(path)
+    try:
+        saved = _as_named_now(saved)
+    except ValueError as error:  # a hand-edited one giving a batch key under both names
+        raise ConfigError(f"config file '{path}': {error}") from None
+    elastic = build_config(saved).elastic
     for item in overrides or []:
-        key = item.partition("=")[0].strip()
+        key = new_name(item.partition("=")[0].strip())  # an old name is refused under the key it is now
         if "=" in item and key and not known_key(key):
             raise ConfigError(f"unknown key '{key}'")
         if "=" in item and not resume_safe(key, elastic):
             raise ConfigError(_unsafe_message(key, elastic))
-    return load_config(path, overrides)
+    return build_config(saved, overrides)
 
 
 def setting_tier(model: type[BaseModel], name: str) -> str:
@@ -546,6 +559,7 @@ def resume_changes(saved: dict[str, Any] | None, config: TrainConfig) -> list[st
     """``key: old -> new`` for each setting that differs from the checkpoint's; CheckpointError for an unsafe one."""
     if saved is None:  # a checkpoint from before configs were stored in it
         return []
+    saved = _as_named_now(saved)
     # Settings added since the checkpoint was written are absent from it: it ran with their defaults.
     before = {**_flat(TrainConfig().model_dump()), **_flat(saved)}
     after = _flat(config.model_dump())
@@ -564,24 +578,23 @@ def resume_changes(saved: dict[str, Any] | None, config: TrainConfig) -> list[st
     return changes
 
 
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """A YAML config file's mapping of keys; ConfigError with one line when it cannot be one."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' does not exist") from None
+    except (OSError, ValueError) as error:  # ValueError: undecodable bytes, or a NUL in the path
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {error}") from None
+    try:
+        loaded = load_yaml(text)
+    except YAMLInputError as error:
+        raise ConfigError(f"config file '{path}': {error}") from None
+    if not isinstance(loaded, dict | None):
+        raise ConfigError(f"config file '{path}' must hold a mapping of keys, not {type(loaded).__name__}")
+    return loaded or {}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Load a YAML config file (optional) and apply overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"config file '{path}' does not exist") from None
-        except (OSError, ValueError) as error:  # ValueError: undecodable bytes, or a NUL in the path
-            raise ConfigError(f"config file {str(path)!r} cannot be read: {error}") from None
-        try:
-            loaded = load_yaml(text)
-        except YAMLInputError as error:
-            raise ConfigError(f"config file '{path}': {error}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping of keys, not {type(loaded).__name__}")
-        data = loaded
-    return build_config(data, overrides)
+    return build_config({} if path is None else _read_config_file(Path(path)), overrides)

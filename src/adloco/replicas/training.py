@@ -284,7 +284,7 @@ class _ReplicaLoop:
             # each); on a statistics step in groups, for the batch test
             self.losses.append(self.diloco.batch.backward(lambda *xs: self.task.loss(self.model, *xs), *data))
         elif self.shards is not None:  # this rank's share of the step, as adloco train shards=S splits it
-            b_max = self.config.batch.b_max or samples
+            b_max = self.config.batch.memory.b_max or samples
             self.losses.append(self.shards.backward(self._loss_of(data), samples, b_max))
         else:
             loss = self.task.loss(self.model, *data)

@@ -209,12 +209,13 @@ def _schedule(config: TrainConfig) -> Schedule:
 
 
 def _raw_statistics(config: TrainConfig, points: list[RoundPoint]) -> list[tuple[RoundPoint, float, float]]:
-    """The measured rounds with their single-round ‖∇F‖² and σ², undoing the batch test's EMA (``batch.ema``).
+    """The measured rounds with their single-round ‖∇F‖² and σ², undoing the batch test's EMA
+    (``batch.statistics.ema``).
 
     The controller logs s_t = a·s_{t−1} + (1 − a)·x_t, so x_t = (s_t − a·s_{t−1})/(1 − a): one wild round
     stays one wild round, which the medians below then ignore.
     """
-    a = config.batch.ema
+    a = config.batch.statistics.ema
     out = []
     previous: tuple[float, float] | None = None
     for point in points:
@@ -357,7 +358,7 @@ def _predict(config, model, points: list[RoundPoint], last: RoundPoint, target: 
         tokens=last.tokens,
         sample_tokens=last.sample_tokens,
         other_samples=last.others_after,
-        eta=config.batch.eta if norm_test else None,
+        eta=config.batch.statistics.eta if norm_test else None,
         batch_cap=config.batch.b_cap if norm_test else None,
         max_rounds=HORIZON * len(points),
     )

@@ -340,29 +340,29 @@ def _sample_statistics(
 
 def _batch_test_requests(stats: GradientStatistics, config: TrainConfig, workers: int) -> dict[str, Any]:
     """What the norm and augmented inner-product tests would ask for at these statistics."""
-    batch_config = config.batch
+    batch_config, statistics = config.batch, config.batch.statistics
     norm = BatchSizeController(
-        "norm", eta=batch_config.eta, b_min=batch_config.b_min, b_cap=batch_config.b_cap, allow_shrink=True
+        "norm", eta=statistics.eta, b_min=batch_config.b_min, b_cap=batch_config.b_cap, allow_shrink=True
     ).decide(stats, workers, batch_config.b_min)
     inner = BatchSizeController(
         "inner_product",
-        theta=batch_config.theta,
-        nu=batch_config.nu,
+        theta=statistics.theta,
+        nu=statistics.nu,
         b_min=batch_config.b_min,
         b_cap=batch_config.b_cap,
         allow_shrink=True,
     ).decide(stats, workers, batch_config.b_min)
     return {
         "norm_test": {
-            "eta": batch_config.eta,
+            "eta": statistics.eta,
             "workers": workers,
             "raw_request": norm.raw_request,
             "b_req": norm.b_req,
             "noise_dominated": norm.noise_dominated,
         },
         "inner_product_test": {
-            "theta": batch_config.theta,
-            "nu": batch_config.nu,
+            "theta": statistics.theta,
+            "nu": statistics.nu,
             "workers": workers,
             "ip_request": inner.ip_request,
             "orth_request": inner.orth_request,

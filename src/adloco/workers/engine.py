@@ -68,10 +68,10 @@ class RankEngine:
     def compute(self, state: RoundState, step: int, samples: dict[int, int]) -> None:
         """One inner step's gradients on every hosted worker still in the round."""
         batch = self.batch
-        cross_worker = state.statistics_due and batch.estimator == "cross_worker"
+        cross_worker = state.statistics_due and batch.statistics.estimator == "cross_worker"
         stats_step = state.statistics_due and step == 0 and not cross_worker
         keep_gradient = cross_worker and step == state.steps - 1
-        groups = batch.groups if stats_step else None
+        groups = batch.statistics.groups if stats_step else None
         done = set() if keep_gradient else self._compute_stacked(state, samples, groups)
         for worker_id in sorted(self.workers):
             record = state.local[worker_id]

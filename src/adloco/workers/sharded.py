@@ -129,7 +129,7 @@ class ShardedWorker(Worker):
 
     def _fitting_step(self, accumulate: Callable[[int], StepResult], b_max: int) -> StepResult:
         """No retry with a smaller micro-batch after running out of memory: the worker's other ranks would be
-        waiting in a collective of the step that failed (set ``batch.b_max`` instead)."""
+        waiting in a collective of the step that failed (set ``batch.memory.b_max`` instead)."""
         return self._checked(accumulate(b_max), b_max)
 
     def _optimizer_state(self) -> dict:

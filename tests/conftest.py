@@ -1,3 +1,4 @@
+import multiprocessing.process
 import os
 import shutil
 import subprocess
@@ -35,6 +36,32 @@ FAST = [
     "run.progress=false",
     "run.plots=false",
 ]
+
+
+# The unit tier (pytest -m unit, under a minute on 2 cores): the tests of the packages below the workers, less
+# those marked as training a run or starting processes. A unit test that starts a process fails (mark it process).
+UNIT_PACKAGES = ("algorithms", "config", "batch", "sync")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        parts = Path(item.fspath).resolve().relative_to(tests).parts
+        heavy = item.get_closest_marker("training") or item.get_closest_marker("process")
+        if len(parts) > 1 and parts[0] in UNIT_PACKAGES and not heavy:
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} is in the unit tier but starts a process: mark it process")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import torch
 
 from adloco.checkpoint import list_checkpoints
 from adloco.cluster.placement import resolve_device
-from adloco.comm.local import LocalCommunicator
 from adloco.comm.distributed import job_key
+from adloco.comm.local import LocalCommunicator
 from adloco.config import ConfigError, build_config
 from adloco.metrics.writer import read_metrics
 from adloco.run.directory import JOBS_DIR, restart_plan

@@ -257,6 +257,7 @@ def test_a_checkpoint_of_the_previous_release_compares_equal_under_the_new_names
         resume_changes(saved, other)
 
 
+@pytest.mark.training  # a whole run, twice: out of the unit tier
 def test_adloco_train_resumes_a_run_directory_the_previous_release_wrote(tmp_path, capsys):
     settings = [*PINNED_PACE, "method=adloco", "batch.statistics.eta=0.7", "total_tokens=768", "checkpoint.every=1"]
     args = ["train", *layered(FAST, settings, [f"run.root={tmp_path}", "run.name=full"])]

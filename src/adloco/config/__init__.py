@@ -1,5 +1,6 @@
 """The run's configuration: one validated object (pydantic) read from YAML plus ``key.sub=value`` overrides, its
-sections (``config.sections``), and the safe reading of its input (``config.input``)."""
+sections (``config.sections``), the registry of training methods (``config.methods``), and the safe reading of its
+input (``config.input``)."""
 
 from adloco.config.train import (
     HF_PREFIX,

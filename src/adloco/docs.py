@@ -17,6 +17,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel
 
 from adloco.config import TrainConfig, setting_tier
+from adloco.config.methods import METHODS
 
 
 def _type_name(annotation: Any) -> str:
@@ -158,7 +159,7 @@ def _yaml(value: Any) -> str:
 def _method_defaults(prefix: str = "") -> list[str]:
     """The keys whose schema default is null, as each method resolves them when nothing else is given (those that
     start with ``prefix``); no lines where there is none."""
-    methods = list(get_args(TrainConfig.model_fields["method"].annotation))
+    methods = list(METHODS)
     resolved = {method: _flat(TrainConfig(method=method)) for method in methods}
     unset = {key for key, value in _flat(TrainConfig.model_construct()).items() if value is None}
     rows = [

@@ -97,3 +97,9 @@ register(Method("diloco", overlap=True))
 # above DiLoCo even from a shared init, one trainer 0.4-1.1 % (docs/batch-size.md); trainers=K merges.
 register(Method("adloco", batch_test="norm", batch_controller="time", merge="b_req", adaptive_batch=True))
 register(Method("streaming", strategy="streaming", fragments=(2, 1, 0.5)))
+# SlowMo (Wang, Tantia, Ballas and Rabbat, "SlowMo: Improving Communication-Efficient Distributed SGD with Slow
+# Momentum", ICLR 2020, arXiv 1910.00643): LocalSGD whose averaged drift an outer SGD applies with heavy-ball (not
+# Nesterov) "slow momentum". lr 1 and momentum 0.5 are fairscale's SlowMoDistributedDataParallel defaults
+# (slowmo_lr, slowmo_momentum). The paper divides Δ by the inner lr and multiplies the step by it back: the same
+# update while the inner lr is constant; here, as in DiLoCo, the momentum adds up Δ as it comes.
+register(Method("slowmo", outer=(1.0, 0.5, False), overlap=True))

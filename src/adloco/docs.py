@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from adloco.config import TrainConfig, setting_tier
 from adloco.config.batch import RENAMED
+from adloco.config.methods import METHODS
 
 # A section's keys that moved into its sub-sections, old flat name -> new dotted name, listed on its page.
 _RENAMED = {"batch": {f"batch.{old}": f"batch.{sub}.{new}" for old, (sub, new) in RENAMED.items()}}
@@ -207,7 +208,7 @@ def _yaml(value: Any) -> str:
 def _method_defaults(prefix: str = "") -> list[str]:
     """The keys whose schema default is null, as each method resolves them when nothing else is given (those that
     start with ``prefix``); no lines where there is none."""
-    methods = list(get_args(TrainConfig.model_fields["method"].annotation))
+    methods = list(METHODS)
     resolved = {method: _flat(TrainConfig(method=method)) for method in methods}
     unset = {key for key, value in _flat(TrainConfig.model_construct()).items() if value is None}
     rows = [

@@ -42,6 +42,7 @@ from adloco.comm.base import Communicator
 from adloco.comm.launcher import world_size_from_env
 from adloco.comm.local import LocalCommunicator
 from adloco.config import ConfigError, TrainConfig, build_config
+from adloco.config.methods import METHODS, method_named
 from adloco.sync import (
     RoundState,
     StepRecord,
@@ -55,16 +56,13 @@ from adloco.sync.streaming import parameter_fragments
 from adloco.sync.trainer import Trainer, theta_device
 from adloco.workers.reports import SKIPPED_STEP
 
-METHODS = ("diloco", "localsgd", "streaming", "ddp", "adloco")
-
 
 def loop_settings(
     method: str, sync_every: int, world_size: int, sections: dict[str, Any], trainers: int = 1
 ) -> TrainConfig:
     """The settings of a user's loop, validated exactly as ``adloco train`` validates its config (the same keys,
     defaults per method and one-line errors)."""
-    if method not in METHODS:
-        raise ConfigError(f"method: {method!r} is not one of {', '.join(METHODS)}")
+    method_named(method)  # an unknown one named first, with the choices
     if trainers < 1 or world_size % trainers:
         raise ConfigError(f"trainers: {world_size} rank(s) do not split into {trainers} trainers of as many workers")
     given = {name: dict(value) for name, value in sections.items() if value is not None}
@@ -73,7 +71,8 @@ def loop_settings(
 
 
 class DiLoCo(LoopState):
-    """DiLoCo (or ``method`` = localsgd, streaming, ddp, adloco) around ``model`` and its inner ``optimizer``.
+    """DiLoCo (or another registered ``method``: localsgd, streaming, ddp, adloco, ...; ``adloco.config.methods``)
+    around ``model`` and its inner ``optimizer``.
 
     Use it as a context manager around an unchanged loop (it hooks ``optimizer.step``), or call ``step()`` after
     each ``optimizer.step()``. Every ``sync_every`` inner steps the workers (one per rank of ``process_group``,
@@ -116,14 +115,14 @@ class DiLoCo(LoopState):
         self.model, self.optimizer = model, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         check_optimizer(optimizer, self.params)
-        if outer_optimizer is not None and method in ("localsgd", "ddp"):
+        if outer_optimizer is not None and method_named(method).outer_fixed:
             raise ValueError(f"method={method!r} has no outer optimizer of its own to replace; use method='diloco'")
         if outer_optimizer is not None and (outer or {}).get("optimizer", "sgd") != "sgd":
             raise ValueError("give either outer_optimizer= or outer={'optimizer': ...}, not both")
         self.shards: WorkerShards | None = worker_shards(self.params)  # a worker spanning several ranks (FSDP2)
         sections = {"outer": outer, "streaming": streaming, "codec": codec, "batch": batch, "merge": merge,
                     "sync_auto": sync_auto, "fault_tolerance": fault_tolerance}  # fmt: skip
-        adaptive = method == "adloco" or batch is not None
+        adaptive = method_named(method).adaptive_batch or batch is not None
         check_layout(trainers, self.shards, process_group)  # before anything connects
         self._connect(method, sync_every, sections, trainers, process_group)
         # their count and H (sync_every="auto": chosen at each round's end)
@@ -268,8 +267,10 @@ class DiLoCo(LoopState):
     def _after_step(self) -> None:
         self._check_running()
         if len(self._state.local[self.rank].steps) == self.round_step:  # no before_step: nothing to check then
-            if self.config.method == "ddp":
-                raise RuntimeError("method='ddp' averages gradients before the optimizer step: use `with diloco:`")
+            if METHODS[self.config.method].every_step:
+                raise RuntimeError(
+                    f"method={self.config.method!r} averages gradients before the optimizer step: use `with diloco:`"
+                )
             if self._batch is not None and self._batch.lr_scale != 1.0:
                 raise RuntimeError("the batch's lr factor applies before the optimizer step: use `with diloco:`")
             self._record(finite=True)
@@ -465,10 +466,6 @@ def _replica_settings(
     if process_group is not None:
         raise ValueError("a fault-tolerant replica is one worker: no process_group (the replicas exchange over "
                          "torchft's); a sharded worker's replica is its shard group's ranks")  # fmt: skip
-    overlap = (sections["outer"] or {}).get("overlap", "none")
-    if trainers > 1 and (method not in ("diloco", "localsgd", "adloco") or overlap != "none"):
-        raise ValueError("several trainers as fault-tolerant replicas: DiLoCo, LocalSGD or AdLoCo without "
-                         "outer.overlap, for now")  # fmt: skip
     replicas = sections["fault_tolerance"].get("replicas")
     world = replicas if isinstance(replicas, int) and replicas > 0 else 1
     return loop_settings(method, sync_every, world, sections, trainers)

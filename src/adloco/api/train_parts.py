@@ -13,6 +13,7 @@ import torch
 
 from adloco.algorithms.schedules import inner_lr
 from adloco.config import TrainConfig, build_config
+from adloco.config.methods import METHODS
 
 if TYPE_CHECKING:  # the tasks load the model library: a plain loop never imports them
     from adloco.workers.tasks import Task
@@ -38,11 +39,7 @@ class TrainParts:
                                     "trainers": config.trainers}  # fmt: skip
         for name in ("outer", "codec", "sync_auto", "merge"):
             settings[name] = getattr(config, name).model_dump()
-        if config.method == "streaming":
-            settings["streaming"] = config.streaming.model_dump()
-        if config.method == "adloco":
-            settings.update(batch=config.batch.model_dump(), total_samples=config.total_tokens // self.task.context)
-        return settings
+        return settings | method_sections(config, self.task.context)
 
     def lr(self, step: int, tokens: int) -> float:
         """The inner lr of inner step ``step`` (0-based) when the job has read ``tokens`` of its ``total_tokens``
@@ -55,6 +52,16 @@ class TrainParts:
         """Set ``lr(step, tokens)`` on every parameter group of the optimizer (before its step)."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(step, tokens)
+
+
+def method_sections(config: TrainConfig, context: int) -> dict[str, Any]:
+    """``DiLoCo``'s settings that only the config's method takes: its own sections (streaming's fragments, AdLoCo's
+    batch) and, with an adaptive batch, the budget in samples of ``context`` tokens."""
+    method = METHODS[config.method]
+    settings: dict[str, Any] = {name: getattr(config, name).model_dump() for name in method.sections}
+    if method.adaptive_batch:
+        settings["total_samples"] = config.total_tokens // context
+    return settings
 
 
 def train_parts(overrides: Sequence[str] = (), worker: int = 0, workers: int = 1) -> TrainParts:

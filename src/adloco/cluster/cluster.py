@@ -26,6 +26,7 @@ from adloco.cluster.placement import placement, rank_placement
 from adloco.cluster.trainers import MergeEvent
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
+from adloco.config.methods import METHODS
 from adloco.sync import RoundState, SyncSettings, SyncStrategy, WorkerRound, build_strategy, outer_factory
 from adloco.sync.streaming import parameter_fragments
 from adloco.sync.trainer import Trainer, theta_device
@@ -128,7 +129,7 @@ class Cluster:
         self.task = task
         self.context = task.context
         self.device = device or torch.device("cpu")
-        self.collect_statistics = config.method == "adloco" or config.batch.test != "constant"
+        self.collect_statistics = METHODS[config.method].adaptive_batch or config.batch.test != "constant"
         self.trainers: dict[int, Trainer] = {}
         self.workers: dict[int, Worker] = {}
         comm = self.comm

@@ -1,6 +1,6 @@
 """The run's configuration: one validated object (pydantic) read from YAML plus ``key.sub=value`` overrides, its
-sections (``config.sections``; ``batch`` and its sub-sections in ``config.batch``), and the safe reading of its input
-(``config.input``)."""
+sections (``config.sections``; ``batch`` and its sub-sections in ``config.batch``), the registry of training methods
+(``config.methods``), and the safe reading of its input (``config.input``)."""
 
 from adloco.config.batch import BatchMemoryConfig, BatchScalingConfig, BatchStatisticsConfig, BatchTimeConfig
 from adloco.config.train import (

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from adloco.algorithms.schedules import validate_schedule
 from adloco.config.batch import BatchConfig, new_name, upgrade_batch
 from adloco.config.input import YAMLInputError, apply_overrides, excerpt, load_yaml
+from adloco.config.methods import METHODS, names
 from adloco.config.sections import (
     BASIC,
     HF_PREFIX,
@@ -55,19 +56,8 @@ __all__ = [
     "resume_config",
 ]  # the sections live in config/sections.py, the batch section in config/batch.py
 
-Method = Literal["ddp", "localsgd", "diloco", "adloco", "streaming"]
-
-# What each method means when the user leaves a key unset.
-_BASELINE = {"sync_every": 10, "workers": 4, "trainers": 1, "test": "constant", "merge": "off"}
-_METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
-    "ddp": {**_BASELINE, "outer": (1.0, 0.0, False)},
-    "localsgd": {**_BASELINE, "outer": (1.0, 0.0, False)},
-    "diloco": {**_BASELINE, "outer": (1.0, 0.5, True)},
-    "streaming": {**_BASELINE, "outer": (1.0, 0.5, True)},
-    # One trainer of 4 workers: on the anchor task Multi-Instance Training (trainers=4 workers=1) ended 1.8-3.1 %
-    # above DiLoCo even from a shared init, one trainer 0.4-1.1 % (docs/batch-size.md); trainers=K merges.
-    "adloco": {**_BASELINE, "outer": (1.0, 0.5, True), "test": "norm", "merge": "b_req"},
-}
+# The registered methods (config/methods.py: each one's defaults and rules), as the type a config's `method` has.
+MethodName = Literal[tuple(METHODS)]
 
 
 ADAM_OUTER_LR = 3e-3  # the best of a sweep on the anchor task (docs/optimizers.md)
@@ -86,8 +76,8 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    method: Method = Field(
-        "diloco", description="ddp | localsgd | diloco | streaming | adloco.", json_schema_extra=BASIC
+    method: MethodName = Field(
+        "diloco", description=" | ".join(METHODS) + " (docs/methods.md).", json_schema_extra=BASIC
     )
     task: Literal["lm", "classification"] = Field(
         "lm",
@@ -206,16 +196,16 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _resolve_method_defaults(self) -> TrainConfig:
         self._given = frozenset(self.model_fields_set)
-        defaults = _METHOD_DEFAULTS[self.method]
+        method = METHODS[self.method]
         self._resolve_model()
         if self.sync_every is None:
-            self.sync_every = defaults["sync_every"]
+            self.sync_every = method.sync_every
         if self.trainers is None:
-            self.trainers = defaults["trainers"]
+            self.trainers = method.trainers
         if self.workers is None:
-            self.workers = defaults["workers"]
-        lr, momentum, nesterov = defaults["outer"]
-        if self.method in ("ddp", "localsgd"):
+            self.workers = method.workers
+        lr, momentum, nesterov = method.outer
+        if method.outer_fixed:
             # These baselines are defined by their outer step; a different one would be another method.
             fixed_keys = (("lr", self.outer.lr, lr), ("momentum", self.outer.momentum, momentum))
             for key, value, fixed in (*fixed_keys, ("optimizer", self.outer.optimizer, "sgd")):
@@ -229,26 +219,25 @@ class TrainConfig(BaseModel):
         if self.outer.nesterov and self.outer.momentum == 0:
             self.outer.nesterov = False
         if self.batch.test is None:
-            self.batch.test = defaults["test"]
+            self.batch.test = method.batch_test
         if self.batch.controller is None:
-            self.batch.controller = "time" if self.method == "adloco" else "test"
+            self.batch.controller = method.batch_controller
         if self.merge.policy is None:
-            self.merge.policy = defaults["merge"] if self.trainers > 1 else "off"
-        if self.method == "ddp" and (self.batch.test != "constant" or self.batch.controller != "test"):
-            raise ValueError("batch.test: ddp runs with a constant batch")
+            self.merge.policy = method.merge if self.trainers > 1 else "off"
         self._check_auto_sync()
         self._resolve_streaming()
-        if self.outer.overlap != "none" and self.method not in ("diloco", "localsgd"):
+        if self.outer.overlap != "none" and not method.overlap:
             raise ValueError(
-                f"outer.overlap: {self.outer.overlap} overlaps whole-model DiLoCo rounds (method=diloco or "
-                f"localsgd); streaming overlaps fragments with streaming.overlap"
+                f"outer.overlap: {self.outer.overlap} overlaps whole-model DiLoCo rounds (method="
+                f"{names(m for m in METHODS.values() if m.overlap)}); streaming overlaps fragments with "
+                "streaming.overlap"
             )
         self._check_shares()
         self._check_elastic()
         self._check_shards()
         self._check_fault_tolerance()
-        if self.method == "ddp" and self.codec.name != "none":
-            raise ValueError("codec.name: ddp exchanges gradients every step; codecs apply to pseudo-gradients")
+        if method.check is not None:
+            method.check(self)
         if self.batch.b_min > self.batch.b_cap:
             raise ValueError(f"batch.b_min ({self.batch.b_min}) is larger than batch.b_cap ({self.batch.b_cap})")
         if self.inner.min_lr > self.inner.lr:
@@ -258,16 +247,19 @@ class TrainConfig(BaseModel):
 
     def _resolve_streaming(self) -> None:
         streaming = self.streaming
-        if self.method == "streaming":
-            streaming.fragments = 2 if streaming.fragments is None else streaming.fragments
-            streaming.overlap = 1 if streaming.overlap is None else streaming.overlap
-            streaming.alpha = 0.5 if streaming.alpha is None else streaming.alpha
+        defaults = METHODS[self.method].fragments
+        if defaults is not None:
+            fragments, overlap, alpha = defaults
+            streaming.fragments = fragments if streaming.fragments is None else streaming.fragments
+            streaming.overlap = overlap if streaming.overlap is None else streaming.overlap
+            streaming.alpha = alpha if streaming.alpha is None else streaming.alpha
             for h in self.sync_bounds if self.auto_sync else (self.sync_every,):
                 validate_schedule(h, streaming.fragments, streaming.overlap)
             return
         for key, value in (("fragments", streaming.fragments), ("overlap", streaming.overlap)):
             if value not in (None, 1 if key == "fragments" else 0):
-                raise ValueError(f"streaming.{key}: only method=streaming syncs fragments")
+                syncing = names(m for m in METHODS.values() if m.fragments)
+                raise ValueError(f"streaming.{key}: only method={syncing} syncs fragments")
         streaming.fragments, streaming.overlap, streaming.alpha = 1, 0, 0.0
 
     @property
@@ -298,17 +290,15 @@ class TrainConfig(BaseModel):
             raise ValueError(f"sync_auto.min ({auto.min}) is larger than sync_auto.max ({auto.max})")
         if not self.auto_sync:
             return
-        if self.method == "ddp":
-            raise ValueError("sync_every: ddp averages gradients every step; auto chooses H for DiLoCo-family methods")
         if self.batch.time.keep_round_time:
             raise ValueError("batch.time.keep_round_time: sync_every=auto already chooses the round's length")
 
     def _check_shares(self) -> None:
         batch = self.batch
-        if batch.time.keep_round_time and self.method == "streaming":
-            raise ValueError("batch.time.keep_round_time: streaming's fragment schedule needs a fixed H (sync_every)")
-        if batch.shares == "speed" and self.method == "ddp":
-            raise ValueError("batch.shares: ddp averages gradients every step; shares apply to DiLoCo-family methods")
+        if batch.time.keep_round_time and METHODS[self.method].fragments:
+            raise ValueError(
+                f"batch.time.keep_round_time: {self.method}'s fragment schedule needs a fixed H (sync_every)"
+            )
         step_seconds = batch.time.step_seconds
         if isinstance(step_seconds, list) and len(step_seconds) != self.total_workers:
             raise ValueError(
@@ -328,13 +318,13 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"fault_tolerance.min_replicas ({ft.min_replicas}) is larger than replicas ({ft.replicas})"
             )
-        if self.method == "ddp":
-            raise ValueError("fault_tolerance: replicas run DiLoCo (outer.overlap too), LocalSGD, streaming or AdLoCo")
         several = self.trainers is not None and self.trainers > 1
-        if several and (self.method == "streaming" or self.outer.overlap != "none"):
-            raise ValueError("fault_tolerance: several trainers as replicas run DiLoCo, LocalSGD or AdLoCo "
-                             f"without outer.overlap for now (method={self.method}, outer.overlap="
-                             f"{self.outer.overlap})")  # fmt: skip
+        if several and (METHODS[self.method].fragments or self.outer.overlap != "none"):
+            whole = names(m for m in METHODS.values() if not m.fragments and not m.every_step)
+            raise ValueError(
+                f"fault_tolerance: several trainers as replicas run method={whole} without outer.overlap for now "
+                f"(method={self.method}, outer.overlap={self.outer.overlap})"
+            )
         if several and ft.replicas % self.trainers:
             raise ValueError(f"fault_tolerance.replicas: {ft.replicas} replicas do not split into {self.trainers} "
                              "trainers of as many workers")  # fmt: skip

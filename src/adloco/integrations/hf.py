@@ -29,6 +29,7 @@ from transformers.trainer_utils import has_length
 
 from adloco.api import DiLoCo
 from adloco.api.ddp import keep_gradients_local
+from adloco.config.methods import method_named
 from adloco.integrations.replicas import (
     SkippedBatches,
     advance_schedules,
@@ -46,15 +47,18 @@ STATE_FILE = "adloco_diloco_rank{rank}.pt"  # in each of the Trainer's checkpoin
 
 
 class DiLoCoCallback(TrainerCallback):
-    """DiLoCo (or ``method`` localsgd, streaming) for ``trainer``'s run; the settings are ``adloco.DiLoCo``'s.
+    """DiLoCo (or another ``method``: localsgd, streaming, ...) for ``trainer``'s run; the settings are
+    ``adloco.DiLoCo``'s.
 
     The Trainer's own step events drive it (``on_pre_optimizer_step``: after clipping, before the step;
     ``on_optimizer_step``: after it), so every rank counts every optimizer step, also one that fp16's loss scaler
     skipped on some ranks only; with that scaler DiLoCo leaves non-finite steps to it."""
 
     def __init__(self, trainer: Trainer, sync_every: int | str = 10, method: str = "diloco", **settings: Any) -> None:
-        if method == "ddp":
-            raise ValueError("method='ddp' is what the Trainer does by itself under torchrun; use it without adloco")
+        if method_named(method).every_step:  # averaging gradients every step is the Trainer's own DDP
+            raise ValueError(
+                f"method={method!r} is what the Trainer does by itself under torchrun; use it without adloco"
+            )
         self.trainer = trainer
         self.settings = {"sync_every": sync_every, "method": method, **settings}
         self.diloco: DiLoCo | None = None

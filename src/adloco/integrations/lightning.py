@@ -28,6 +28,7 @@ import torch
 
 from adloco.api import DiLoCo
 from adloco.api.ddp import keep_gradients_local
+from adloco.config.methods import method_named
 from adloco.integrations.replicas import (
     SkippedBatches,
     advance_schedules,
@@ -47,11 +48,12 @@ except ImportError:  # the standalone package
 
 
 class DiLoCoCallback(pl.Callback):
-    """DiLoCo (or ``method`` localsgd, streaming) for the fit it is given to; the settings are ``adloco.DiLoCo``'s."""
+    """DiLoCo (or another ``method``: localsgd, streaming, ...) for the fit it is given to; the settings are
+    ``adloco.DiLoCo``'s."""
 
     def __init__(self, sync_every: int | str = 10, method: str = "diloco", **settings: Any) -> None:
-        if method == "ddp":
-            raise ValueError("method='ddp' is Lightning's own DDP strategy; use it without adloco")
+        if method_named(method).every_step:  # averaging gradients every step is Lightning's own DDP strategy
+            raise ValueError(f"method={method!r} is Lightning's own DDP strategy; use it without adloco")
         self.settings = {"sync_every": sync_every, "method": method, **settings}
         self.diloco: DiLoCo | None = None
         self._resumed: dict[str, Any] | None = None  # this rank's state from the checkpoint a fit resumes from

@@ -29,6 +29,7 @@ from rich.console import Console
 from adloco.algorithms.schedules import inner_lr
 from adloco.algorithms.sharding import local_rows
 from adloco.api import DiLoCo
+from adloco.api.train_parts import method_sections
 from adloco.checkpoint import latest_checkpoint, save_checkpoint
 from adloco.cluster.placement import resolve_device
 from adloco.config import ConfigError, TrainConfig
@@ -208,14 +209,10 @@ def _inner_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.
 
 
 def _sections(config: TrainConfig, task: Task) -> dict[str, Any]:
-    """DiLoCo's settings from the run's config sections (AdLoCo: its batch and the budget in samples)."""
+    """DiLoCo's settings from the run's config sections (and the method's own: AdLoCo's batch and budget)."""
     names = ("outer", "codec", "sync_auto", "fault_tolerance", "merge")
     sections = {name: getattr(config, name).model_dump() for name in names}
-    if config.method == "streaming":
-        sections["streaming"] = config.streaming.model_dump()
-    if config.method == "adloco":
-        sections.update(batch=config.batch.model_dump(), total_samples=config.total_tokens // task.context)
-    return sections
+    return sections | method_sections(config, task.context)
 
 
 class _ReplicaLoop:

@@ -1,10 +1,11 @@
 """Sync strategies: one per method family, chosen once from their own settings (the method, H and the config's
 ``outer``, ``streaming`` and ``codec`` sections). Each owns its exchanges and its per-worker outer state; the
-cluster, the round loop and a user's loop hold no method branches."""
+cluster, the round loop and a user's loop hold no method branches. Which family runs a method is the method's
+registration (``adloco.config.methods``); ``STRATEGIES`` builds each family."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from adloco.algorithms.codecs import Codec, get_codec
@@ -12,6 +13,7 @@ from adloco.algorithms.outer import OuterFactory, adam_factory
 from adloco.algorithms.sparse import TopKCodec
 from adloco.comm.base import Communicator
 from adloco.config import CodecConfig, OuterConfig, StreamingConfig, TrainConfig
+from adloco.config.methods import METHODS
 from adloco.sync.base import SyncStrategy
 from adloco.sync.ddp import DDPSync
 from adloco.sync.diloco import DiLoCoSync
@@ -29,6 +31,7 @@ __all__ = [
     "EagerCopy",
     "OverlappedSync",
     "RoundState",
+    "STRATEGIES",
     "StepRecord",
     "StreamingSync",
     "SyncSettings",
@@ -73,6 +76,64 @@ def outer_factory(outer: OuterConfig) -> OuterFactory | None:
     return None
 
 
+StrategyBuilder = Callable[
+    [SyncSettings, Communicator, dict[int, Trainer], Mapping[int, Worker], OuterFactory | None], SyncStrategy
+]
+
+
+def _exchange(settings: SyncSettings, comm: Communicator, workers: Mapping[int, Worker]) -> DeltaExchange:
+    codec = settings.codec
+    return DeltaExchange(comm, build_codec(codec), bool(codec.error_feedback), sorted(workers), codec.feedback_decay)
+
+
+def _ddp(
+    settings: SyncSettings,
+    comm: Communicator,
+    trainers: dict[int, Trainer],
+    workers: Mapping[int, Worker],
+    factory: OuterFactory | None,
+) -> SyncStrategy:
+    return DDPSync(comm, trainers, workers)
+
+
+def _diloco(
+    settings: SyncSettings,
+    comm: Communicator,
+    trainers: dict[int, Trainer],
+    workers: Mapping[int, Worker],
+    factory: OuterFactory | None,
+) -> SyncStrategy:
+    """DiLoCo's whole-model rounds (LocalSGD and AdLoCo are DiLoCo with other outer and batch settings), overlapped
+    with the next round under ``outer.overlap``."""
+    exchange = _exchange(settings, comm, workers)
+    if settings.outer.overlap == "none":
+        return DiLoCoSync(comm, trainers, workers, exchange)
+    return OverlappedSync(
+        comm,
+        trainers,
+        workers,
+        exchange,
+        outer=settings.outer,
+        eager=settings.outer.overlap == "eager",
+        outer_factory=factory or outer_factory(settings.outer),
+    )
+
+
+def _streaming(
+    settings: SyncSettings,
+    comm: Communicator,
+    trainers: dict[int, Trainer],
+    workers: Mapping[int, Worker],
+    factory: OuterFactory | None,
+) -> SyncStrategy:
+    exchange = _exchange(settings, comm, workers)
+    return StreamingSync(comm, trainers, workers, exchange, stream=settings.streaming, sync_every=settings.sync_every)
+
+
+# Each strategy family a registered method names (its ``strategy``), built.
+STRATEGIES: dict[str, StrategyBuilder] = {"ddp": _ddp, "diloco": _diloco, "streaming": _streaming}
+
+
 def build_strategy(
     settings: SyncSettings,
     comm: Communicator,
@@ -80,27 +141,6 @@ def build_strategy(
     workers: Mapping[int, Worker],
     factory: OuterFactory | None = None,
 ) -> SyncStrategy:
-    """The strategy of ``settings.method`` (LocalSGD and AdLoCo are DiLoCo with other outer/batch settings);
-    ``factory``: the outer optimizer of each worker's own copy under eager overlap (default: ``settings.outer``'s)."""
-    if settings.method == "ddp":
-        return DDPSync(comm, trainers, workers)
-    codec = settings.codec
-    exchange = DeltaExchange(
-        comm, build_codec(codec), bool(codec.error_feedback), sorted(workers), codec.feedback_decay
-    )
-    if settings.method == "streaming":
-        return StreamingSync(
-            comm, trainers, workers, exchange, stream=settings.streaming, sync_every=settings.sync_every
-        )
-    if settings.outer.overlap != "none":
-        eager = settings.outer.overlap == "eager"
-        return OverlappedSync(
-            comm,
-            trainers,
-            workers,
-            exchange,
-            outer=settings.outer,
-            eager=eager,
-            outer_factory=factory or outer_factory(settings.outer),
-        )
-    return DiLoCoSync(comm, trainers, workers, exchange)
+    """The strategy of ``settings.method``'s family; ``factory``: the outer optimizer of each worker's own copy under
+    eager overlap (default: ``settings.outer``'s)."""
+    return STRATEGIES[METHODS[settings.method].strategy](settings, comm, trainers, workers, factory)

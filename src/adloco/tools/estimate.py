@@ -22,6 +22,7 @@ from adloco.algorithms.theory import (
     rounds_to_target,
 )
 from adloco.config import ConfigError, TrainConfig, resume_config
+from adloco.config.methods import METHODS
 from adloco.data import DataError
 from adloco.metrics.writer import read_metrics
 
@@ -199,8 +200,7 @@ def _at_round(round_number: int, tokens: float, syncs_per_round: int) -> dict[st
 
 
 def _syncs_per_round(config: TrainConfig) -> int:
-    # DDP all-reduces gradients at every inner step; every other method synchronises once per round.
-    return config.first_sync_every if config.method == "ddp" else 1
+    return METHODS[config.method].syncs_per_round(config.first_sync_every)
 
 
 def _schedule(config: TrainConfig) -> Schedule:

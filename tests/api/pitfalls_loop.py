@@ -181,6 +181,10 @@ def main(out: str, scenario: str) -> None:
         except (RuntimeError, ValueError) as error:
             found["error"] = str(error)
     found["warnings"] = [str(w.message) for w in caught]
+    if scenario.startswith("uneven-"):  # after the refusal the group is in step: no collective is left pending
+        ones = torch.ones(1)
+        dist.all_reduce(ones)
+        found["group_after"] = ones.item()
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(found))
     end_process_group()
 

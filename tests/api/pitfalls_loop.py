@@ -59,11 +59,13 @@ def ddp(rank: int, around: bool) -> dict[str, Any]:
     return {"apart_mid_round": apart, "alike_at_the_end": _alike(model)}
 
 
-def uneven(rank: int, steps: list[int]) -> dict[str, Any]:
-    """Ranks that take different numbers of optimizer steps (an uneven last batch)."""
+def uneven(rank: int, steps: list[int], method: str) -> dict[str, Any]:
+    """Ranks that take different numbers of optimizer steps (an uneven last batch); ``streaming``: two fragments,
+    whose exchanges start mid-round and land a step later (one is in flight when a rank finishes)."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with DiLoCo(model, optimizer, sync_every=H) as diloco:
+    settings: dict[str, Any] = {"streaming": {"fragments": 2}} if method == "streaming" else {}
+    with DiLoCo(model, optimizer, sync_every=H, method=method, **settings) as diloco:
         _train(model, optimizer, steps[rank], rank)
     diloco.finish()
     return {}
@@ -167,8 +169,10 @@ def main(out: str, scenario: str) -> None:
             elif scenario == "no-group":
                 model = _model()
                 DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=H)
-            elif scenario.startswith("uneven-"):
-                found = uneven(rank, [int(n) for n in scenario.split("-")[1:]])
+            elif scenario.startswith("uneven-"):  # uneven-<rank 0's steps>-<rank 1's>[-<method>]
+                parts = scenario.split("-")[1:]
+                method = "diloco" if parts[-1].isdigit() else parts.pop()
+                found = uneven(rank, [int(n) for n in parts], method)
             elif scenario in ("scaler-recipe", "scaler-hooked"):
                 found = scaler(rank, hooked=scenario == "scaler-hooked", steps=10)
             elif scenario == "settings-differ":
@@ -181,6 +185,10 @@ def main(out: str, scenario: str) -> None:
         except (RuntimeError, ValueError) as error:
             found["error"] = str(error)
     found["warnings"] = [str(w.message) for w in caught]
+    if scenario.startswith("uneven-"):  # after the refusal the group is in step: no collective is left pending
+        ones = torch.ones(1)
+        dist.all_reduce(ones)
+        found["group_after"] = ones.item()
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(found))
     end_process_group()
 

@@ -74,13 +74,22 @@ def test_torchrun_without_a_process_group_is_refused_on_every_rank(tmp_path):
 
 
 @pytest.mark.parametrize(("scenario", "counts"), [("uneven-7-6", "rank 0: 7, rank 1: 6"),
-                                                  ("uneven-5-4", "rank 0: 5, rank 1: 4")])  # fmt: skip
+                                                  ("uneven-5-4", "rank 0: 5, rank 1: 4"),
+                                                  ("uneven-8-7", "rank 0: 8, rank 1: 7"),
+                                                  ("uneven-9-4", "rank 0: 8, rank 1: 4"),
+                                                  ("uneven-6-5-streaming", "rank 0: 6, rank 1: 5")])  # fmt: skip
 def test_ranks_that_took_different_numbers_of_steps_are_refused_on_every_rank(tmp_path, scenario, counts):
     """An uneven last batch: one rank takes a step more. In a round (7 against 6, H = 4) their exchanges carried
     reports of unlike lengths and gloo aborted; with one rank at a round's boundary (5 against 4) the other's last
-    exchange met no peer. Both ranks now refuse at finish() in one line naming the counts."""
+    exchange met no peer. Where the extra steps end a round the other rank never reaches (8 against 7; 9 against 4,
+    a whole round more), rank 0 waits in that round's exchange while rank 1 is in finish(): the two used to meet in
+    unlike collectives and hang (or abort in gloo). Streaming (6 against 5, two fragments): rank 0's sixth step
+    starts a fragment's exchange that rank 1 never starts, still in flight at finish(), and gloo aborted. Every rank
+    now refuses in one line naming the counts (rank 0's as far as it got: the step whose exchange no peer joined),
+    and the process group is left in step: a collective after the refusal pairs on both ranks."""
     for rank in _two_ranks(tmp_path, scenario):
         assert f"the ranks took different numbers of optimizer steps ({counts})" in rank["error"]
+        assert rank["group_after"] == 2.0
 
 
 def test_a_grad_scaler_that_skips_a_step_on_one_rank_keeps_the_ranks_in_step(tmp_path):

@@ -1,6 +1,6 @@
 """What a user's loop is checked for before and while DiLoCo trains it: the optimizer and the job's layout, that
-every rank built the same model and DiLoCo (naming what differs) and ended with as many steps, optimizer steps DiLoCo
-did not see, and a finish() never called. Each refusal is one line on every rank."""
+every rank built the same model and DiLoCo (naming what differs), optimizer steps DiLoCo did not see, and a finish()
+never called (that the ranks ended with as many steps: finish_line.py). Each refusal is one line on every rank."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from adloco.api.finish_line import FinishLine
 from adloco.api.rounds import LoopRounds
 from adloco.api.worker import WorkerShards
 from adloco.comm.base import Communicator
@@ -98,23 +99,12 @@ class StepCount:
         self.count += 1
 
 
-def warn_unfinished(rounds: LoopRounds) -> None:
-    if rounds.count:
+def warn_unfinished(rounds: LoopRounds, line: FinishLine | None = None) -> None:
+    """Say that finish() never ran after rounds that trained; not after a refusal of unlike step counts, which said
+    what was wrong (and may have come from inside an exchange, where finish() never could run)."""
+    if rounds.count and (line is None or line.refusal is None):
         warnings.warn(
             f"adloco.DiLoCo: finish() was never called after {rounds.count} round(s): each rank's model is its own "
             "worker's, not θ, and the ranks may end different; call diloco.finish() after the loop",
             stacklevel=1,
-        )
-
-
-def check_same_steps(comm: Communicator, rank: int, steps: int) -> None:
-    """Every rank must end with as many inner steps: a rank ahead would end a round alone (its exchange meeting no
-    peer's), so compare the counts once, at ``finish()``, in one small collective, and refuse on every rank."""
-    seen = {w: int(v[0]) for w, v in comm.gather_worker_scalars({rank: [float(steps)]}).items()}
-    if len(set(seen.values())) > 1:
-        counts = ", ".join(f"rank {w}: {n}" for w, n in sorted(seen.items()))
-        raise RuntimeError(
-            f"the ranks took different numbers of optimizer steps ({counts}): every rank must take as many (end an "
-            "uneven epoch at the step all ranks reach; a GradScaler skips optimizer.step() on a rank that overflowed: "
-            "call diloco.step() after scaler.step(optimizer), not `with diloco:`; docs/own-loop.md)"
         )

@@ -25,12 +25,12 @@ from adloco.api.checks import (
     check_layout,
     check_optimizer,
     check_same_job,
-    check_same_steps,
     distributed_world_size,
     job_fingerprint,
     warn_unfinished,
 )
 from adloco.api.ddp import local_model
+from adloco.api.finish_line import FinishLine, WatchedCommunicator
 from adloco.api.loop_state import LoopState
 from adloco.api.replica import Replica
 from adloco.api.rounds import LoopRounds
@@ -155,7 +155,7 @@ class DiLoCo(LoopState):
         self._warned_unmeasured = False
         # a loop that trained and never called finish() leaves each rank its own drifted model: said at exit (or when
         # the object is collected); finish() detaches it
-        self._unfinished = weakref.finalize(self, warn_unfinished, self.rounds)
+        self._unfinished = weakref.finalize(self, warn_unfinished, self.rounds, self._line)
         if state is not None:  # before a replica's first quorum, which heals it from peers that are further on
             self.load_state_dict(state)
         if self.replica is not None:
@@ -175,8 +175,9 @@ class DiLoCo(LoopState):
             self.replica.comm.theta_digest = self._theta_digest  # a split job shows in it
             self.replica.comm.keeps_slots = trainers > 1  # the other trainers read the own exchanges' slots
             self.comm: Communicator = self.replica.comm
+            self._line: FinishLine | None = None
         else:
-            self.comm = _communicator(process_group, device)
+            self.comm, self._line = _communicator(process_group, device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.global_rank = self.rank if self.replica is not None else _global_rank()
         if self.replica is None:
@@ -242,6 +243,8 @@ class DiLoCo(LoopState):
             self._batch.scale_lr()
 
     def _check_running(self) -> None:
+        if self._line is not None and self._line.refusal is not None:
+            raise RuntimeError(self._line.refusal)
         if self._finished:
             raise RuntimeError("DiLoCo.finish() ended this training: make a new DiLoCo to train on")
 
@@ -263,6 +266,8 @@ class DiLoCo(LoopState):
     def _record(self, finite: bool) -> None:
         record = self._state.local[self.rank]
         record.steps.append(SKIPPED_STEP if record.out else StepRecord(loss=math.nan, tokens=0, finite=finite))
+        if self._line is not None:  # the count a rank ahead names, should it wait in an exchange no peer reaches
+            self._line.steps = self._state.first_step + len(record.steps)
 
     def _after_step(self) -> None:
         self._check_running()
@@ -377,17 +382,16 @@ class DiLoCo(LoopState):
         trained. The exchange's process group is let go of here: nothing of this object holds it afterwards."""
         if self._finished:
             return
+        self._check_running()  # a rank that refused inside an exchange refuses here again
         if len(self._state.local[self.rank].steps) > self.round_step:  # a last step a loss scaler skipped
             self._after_step()
         if self._optimizer_steps.count > self._steps_seen:
             self._outside(self._optimizer_steps.count - self._steps_seen, "after the last inner step")
         self._counting.remove()
-        if self.replica is None and self.world_size > 1:
-            try:
-                check_same_steps(self.comm, self.rank, self.inner_step)
-            except RuntimeError:
-                self.comm.close()  # as at the end below: no gloo thread may be left to release the group
-                raise
+        if self._line is not None:  # refuses (and lets go of the group) on every rank if the counts differ
+            assert isinstance(self.comm, WatchedCommunicator)
+            self._line.arrive(self.comm, self.inner_step)
+            self.comm.line = None  # every rank is here, at as many steps: finish()'s exchanges need no watching
         if self.inner_step == 0:  # θ is the untrained start: setting the model to it would undo the loop's work
             raise RuntimeError(
                 "no round ran: enter `with diloco:` or call `diloco.step()` after each optimizer.step(); finish() "
@@ -418,7 +422,9 @@ class DiLoCo(LoopState):
         return self.trainer.theta
 
 
-def _communicator(process_group: Any, device: torch.device) -> Communicator:
+def _communicator(process_group: Any, device: torch.device) -> tuple[Communicator, FinishLine | None]:
+    """The exchange's transport over ``process_group``, and the finish line where its ranks compare their step
+    counts (none in one process)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -430,10 +436,8 @@ def _communicator(process_group: Any, device: torch.device) -> Communicator:
                 f"the launcher started {ranks} ranks (WORLD_SIZE) but torch.distributed is not initialised: call "
                 "dist.init_process_group() before DiLoCo(...), or run one process without torchrun"
             )
-        return LocalCommunicator()
+        return LocalCommunicator(), None
     from torch.distributed.device_mesh import DeviceMesh
-
-    from adloco.comm.distributed import DistributedCommunicator
 
     if isinstance(process_group, DeviceMesh):
         if process_group.ndim != 1:
@@ -450,7 +454,10 @@ def _communicator(process_group: Any, device: torch.device) -> Communicator:
     # copies around it. With three or more the backend's order of additions is not worker order: those gather.
     # NCCL keeps the gather (the pair's bits are untested there).
     pair = dist.get_world_size(process_group) == 2 and dist.get_backend(process_group) == "gloo"
-    return DistributedCommunicator.on_group(process_group, reduce="allreduce" if pair else "gather", device=device)
+    comm = WatchedCommunicator.on_group(process_group, reduce="allreduce" if pair else "gather", device=device)
+    if comm.world_size > 1:
+        comm.line = FinishLine(process_group, comm.rank, comm.world_size)
+    return comm, comm.line
 
 
 def _replica_settings(

@@ -162,6 +162,15 @@ class DistributedCommunicator(ExchangeMixin):
         return self._groups[frozenset(workers)]
 
     # -- tensor collectives -----------------------------------------------------------------------------
+    def _all_gather(self, outputs: list[torch.Tensor], local: torch.Tensor, workers: Sequence[int]) -> Future:
+        """Start the all-gather of ``local`` among ``workers``' ranks: every exchange's collective starts here or in
+        ``_all_reduce``, so a subclass can keep count of them (a user's loop's, adloco.api)."""
+        return dist.all_gather(outputs, local, group=self._group(workers), async_op=True).get_future()
+
+    def _all_reduce(self, flat: torch.Tensor, workers: Sequence[int]) -> Future:
+        """Start the all-reduce (sum) of ``flat`` among ``workers``' ranks."""
+        return dist.all_reduce(flat, group=self._group(workers), async_op=True).get_future()
+
     def _timed(self, start: float, sent: int, payload: int) -> None:
         self.stats.seconds += time.perf_counter() - start
         self.stats.wire_bytes += sent
@@ -188,8 +197,7 @@ class DistributedCommunicator(ExchangeMixin):
             future.set_result(outputs)
             sent = 0
         else:
-            work = dist.all_gather(outputs, local, group=self._group(ordered), async_op=True)
-            future = work.get_future()
+            future = self._all_gather(outputs, local, ordered)
             sent = local.numel() * local.element_size()
         self.stats.exchanges += len(ordered) > 1
 
@@ -241,7 +249,7 @@ class DistributedCommunicator(ExchangeMixin):
             future.set_result(None)
             sent = 0
         else:
-            future = dist.all_reduce(flat, group=self._group(ordered), async_op=True).get_future()
+            future = self._all_reduce(flat, ordered)
             sent = 2 * flat.numel() * flat.element_size()
         self.stats.exchanges += len(ordered) > 1
 

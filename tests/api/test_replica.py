@@ -185,7 +185,10 @@ def test_slots_carry_each_present_row_bit_for_bit_and_mark_the_absent():
         (["fault_tolerance.replica=0"], "replica, replicas"),
         (["fault_tolerance.replica=3", "fault_tolerance.replicas=3"], "is not below replicas"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "fault_tolerance.min_replicas=3"], "larger"),
-        (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "method=ddp"], "streaming or AdLoCo"),
+        (
+            ["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "method=ddp"],
+            "replicas run localsgd, diloco, adloco, streaming or slowmo",
+        ),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=3", "trainers=2"], "do not split into 2 trainers"),
         (["fault_tolerance.replica=0", "fault_tolerance.replicas=2", "trainers=2", "method=streaming"], "for now"),
     ],
@@ -198,7 +201,10 @@ def test_bad_fault_tolerance_settings_are_one_line_errors(overrides, fragment):
 def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
     ft = {"lighthouse": "http://127.0.0.1:1", "replica": 0, "replicas": 2}
     model = torch.nn.Linear(2, 1)
-    with pytest.raises(ValueError, match="AdLoCo without outer.overlap, for now"):
+    with pytest.raises(
+        ValueError,
+        match="several trainers as replicas run method=localsgd, diloco, adloco or slowmo without outer.overlap for now",
+    ):
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=ft, trainers=2, method="streaming")
     replica = [
         "fault_tolerance.lighthouse=http://127.0.0.1:1",

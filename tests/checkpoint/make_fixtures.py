@@ -73,6 +73,18 @@ def write_micro_llama(folder: Path) -> None:
     LlamaConfig(hidden_size=16, intermediate_size=32, max_position_embeddings=16, **shape).save_pretrained(folder)
 
 
+def model_config_in_place(fixture: Path) -> None:
+    """The run's model config at the absolute path its checkpoint names (written atomically: test runs may meet)."""
+    wanted = (fixture / "micro-llama.json").read_bytes()
+    target = MODEL_DIR / "config.json"
+    if target.exists() and target.read_bytes() == wanted:
+        return
+    MODEL_DIR.mkdir(parents=True, exist_ok=True)
+    partial = MODEL_DIR / f".config.json.{os.getpid()}"
+    partial.write_bytes(wanted)
+    os.replace(partial, target)
+
+
 def adloco(*args: str) -> None:
     """``python -m adloco ARGS`` with this process's adloco (its PYTHONPATH)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -198,6 +210,28 @@ def loop_fixture(name: str, settings: dict[str, Any]) -> dict[str, Any]:
     return fixture
 
 
+def resume_loop(fixture: dict, state: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The fixture's loop built afresh, ``state`` (its saved model, inner optimizer, DiLoCo) loaded, the remaining
+    steps run: its θ and model parameters."""
+    model, optimizer, diloco = build_loop(fixture["settings"])
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    diloco.load_state_dict(state["diloco"])
+    batches = None
+    if "sampler" in fixture["state"]:
+        sampler = diloco.batch.sampler(len(fixture["data"]), seed=1)
+        sampler.load_state_dict(fixture["state"]["sampler"])
+        batches = iter(sampler)
+    before, after = fixture["steps"]
+    assert diloco.inner_step == before and diloco.round_step != 0  # saved mid-round
+    with diloco:
+        run_loop(model, optimizer, diloco, fixture["data"], batches, before, after)
+    diloco.flush()
+    ended = [t.clone() for t in diloco.theta], [p.detach().clone() for p in model.parameters()]
+    diloco.finish()  # a loop's proper end (a DiLoCo left unfinished warns), after the numbers compared are taken
+    return ended
+
+
 def replica_fixture(loop: dict[str, Any]) -> None:
     """The loop's saved state in the file a replica of adloco train writes at the end of a round."""
     from adloco.checkpoint import save_checkpoint
@@ -220,8 +254,11 @@ def _bytes(obj: Any) -> Any:
 
 def main() -> None:
     import adloco
+    from adloco.checkpoint import FORMAT_VERSION
 
     print(f"adloco from {Path(adloco.__file__).parent}")
+    if FORMAT_VERSION != 1:  # the fixtures are what version 1 wrote: only its adloco can write them
+        raise SystemExit(f"this adloco writes format version {FORMAT_VERSION}; run with 267bd5b's (see the docstring)")
     FIXTURES.mkdir(parents=True, exist_ok=True)
     write_micro_llama(MODEL_DIR)
     with tempfile.TemporaryDirectory() as scratch:

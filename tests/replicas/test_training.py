@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from adloco import build_config, train
-from adloco.checkpoint import REPLICA, save_checkpoint
+from adloco.checkpoint import save_checkpoint
 from adloco.config.input import layered
 from adloco.metrics.plots import plot_run
 from adloco.metrics.records import read_metrics
@@ -244,7 +244,7 @@ def test_a_replica_whose_checkpoint_is_another_models_stops_with_one_line(tmp_pa
     folder = tmp_path / "runs" / "job" / "replica0" / "checkpoints"
     folder.mkdir(parents=True)
     state = {"diloco": {}, "model": {"embedding.weight": torch.zeros(3)}, "optimizer": {}}
-    save_checkpoint(folder, 4, state, keep=2, kind=REPLICA)
+    save_checkpoint(folder, 4, state, keep=2, kind="replica")
     proc = _replica(tmp_path / "runs", "http://127.0.0.1:9", 0, 2, 2048)  # nothing listens: never reached
     _, err = proc.communicate(timeout=DEADLINE_S)
     assert proc.returncode == 2, err[-2000:]

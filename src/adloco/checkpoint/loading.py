@@ -29,9 +29,9 @@ def load_checkpoint(
 
     With ``kind`` (``schema.TRAIN`` or ``REPLICA``) it must be of that kind and have the shape its driver writes
     (a train run's: trainers, workers, counters), so a foreign torch file is refused here rather than failing
-    half-way through a resume. With
-    ``wanted`` the workers it refuses are left out (a sharded checkpoint does not even read them); ``layout``: the
-    shard of sharded workers whose state a rank reads (cut anew from a checkpoint of another shard count).
+    half-way through a resume. With ``wanted`` the workers it refuses are left out (a sharded checkpoint does not
+    even read them); ``layout``: the shard of sharded workers whose state a rank reads (cut anew from a checkpoint
+    of another shard count).
     """
     if path.is_dir():
         from adloco.checkpoint.sharded import load_sharded_checkpoint  # DCP's import costs a second: only here

@@ -149,6 +149,15 @@ def test_a_decaying_lr_lengthens_the_rounds():
     assert late.decide(0.25).target == pytest.approx(200.0)
 
 
+def _from_version_1(saved: dict) -> dict:
+    """A rule's state as a train run's checkpoint of format version 1 held it, read back (migrated)."""
+    from adloco.checkpoint import upgraded
+
+    return upgraded({"format_version": 1, "cluster": {"sync_every": dict(saved)}}, "a test's state")["cluster"][
+        "sync_every"
+    ]
+
+
 def test_the_state_round_trips_and_the_planner_follows_the_step_time():
     rule = _rule()
     rule.observe(0.05, 0.2)
@@ -157,9 +166,9 @@ def test_the_state_round_trips_and_the_planner_follows_the_step_time():
     copy.load_state_dict(rule.state_dict())
     assert copy.state_dict() == rule.state_dict() and copy.settled
     earlier = {k: v for k, v in rule.state_dict().items() if k != "settled"}  # a checkpoint from before the jump
-    copy.load_state_dict(earlier)
+    copy.load_state_dict(_from_version_1(earlier))
     assert copy.settled  # its exchange was measured: it had decided, and goes on at the 2x pace
-    copy.load_state_dict({**earlier, "exchange_seconds": math.nan})
+    copy.load_state_dict(_from_version_1({**earlier, "exchange_seconds": math.nan}))
     assert not copy.settled
     plan = rule.planner(round_seconds=99.0)  # its own measurement wins over the given overhead
     assert plan(0.05) == pytest.approx(seconds_per_step(0.05, 0.2, rule.length_for(0.05, 0.2), 1000.0))

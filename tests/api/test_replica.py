@@ -203,7 +203,7 @@ def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
     model = torch.nn.Linear(2, 1)
     with pytest.raises(
         ValueError,
-        match="several trainers as replicas run method=localsgd, diloco, adloco or slowmo without outer.overlap for now",
+        match="several trainers as replicas run method=localsgd, diloco, adloco or slowmo without outer.overlap",
     ):
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=ft, trainers=2, method="streaming")
     replica = [

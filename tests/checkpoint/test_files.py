@@ -8,6 +8,7 @@ import torch
 
 from adloco.checkpoint import (
     MANIFEST,
+    TRAIN,
     CheckpointError,
     drop_checkpoints_after,
     latest_checkpoint,
@@ -23,7 +24,7 @@ from tests.conftest import FAST, final_params
 
 def _save_rounds(directory, rounds, keep=3):
     for r in rounds:
-        save_checkpoint(directory, r, {"value": torch.tensor([float(r)])}, keep=keep)
+        save_checkpoint(directory, r, {"value": torch.tensor([float(r)])}, keep=keep, kind=TRAIN)
 
 
 def test_keeps_the_newest_and_records_checksums(tmp_path):

@@ -10,6 +10,7 @@ import torch
 from adloco.algorithms.sharding import ShardLayout
 from adloco.checkpoint import (
     FORMAT_VERSION,
+    TRAIN,
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
@@ -25,6 +26,7 @@ def _shared(round_index: int) -> dict:
     generator, several dtypes, lists of tensors and of plain values)."""
     return {
         "format_version": FORMAT_VERSION,
+        "kind": TRAIN,
         "round": round_index,
         "counters": {"round": round_index, "tokens": 64, "step": 2, "bytes": 0, "seconds": 1.5},
         "cluster": {
@@ -70,7 +72,7 @@ def test_what_was_written_comes_back_whole(tmp_path):
 
 
 def test_a_damaged_shard_falls_back_to_the_previous_checkpoint(tmp_path, caplog):
-    save_checkpoint(tmp_path, 1, _shared(1), keep=3)  # the formats mix in one folder
+    save_checkpoint(tmp_path, 1, _shared(1), keep=3, kind=TRAIN)  # the formats mix in one folder
     save_sharded_checkpoint(tmp_path, 2, _shared(2), 3, 0, lambda: None, distributed=False)
     shard = next((tmp_path / "round_000002").glob("*.distcp"))
     data = bytearray(shard.read_bytes())

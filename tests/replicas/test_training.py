@@ -243,7 +243,8 @@ def test_a_replica_whose_checkpoint_is_another_models_stops_with_one_line(tmp_pa
     """Its checkpoint is read before it asks for a quorum: a wrong one is bad input (exit 2), named by folder."""
     folder = tmp_path / "runs" / "job" / "replica0" / "checkpoints"
     folder.mkdir(parents=True)
-    save_checkpoint(folder, 4, {"diloco": {}, "model": {"embedding.weight": torch.zeros(3)}, "optimizer": {}}, keep=2)
+    state = {"diloco": {}, "model": {"embedding.weight": torch.zeros(3)}, "optimizer": {}}
+    save_checkpoint(folder, 4, state, keep=2, kind="replica")
     proc = _replica(tmp_path / "runs", "http://127.0.0.1:9", 0, 2, 2048)  # nothing listens: never reached
     _, err = proc.communicate(timeout=DEADLINE_S)
     assert proc.returncode == 2, err[-2000:]

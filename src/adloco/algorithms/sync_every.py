@@ -185,6 +185,4 @@ class AutoSyncEvery:
         self.sync_every = self._bounded(int(state["sync_every"]))
         self.step_seconds = float(state["step_seconds"])
         self.exchange_seconds = float(state["exchange_seconds"])
-        # a state from before ``settled`` was kept: measured costs mean the rule had decided on them
-        measured = math.isfinite(self.step_seconds) and math.isfinite(self.exchange_seconds)
-        self.settled = bool(state.get("settled", measured))
+        self.settled = bool(state["settled"])

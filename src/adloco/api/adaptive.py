@@ -345,10 +345,7 @@ class AdaptiveBatch:
             )
             self.costs.load_state_dict(state["costs"])
         self.samples_done = int(state["samples_done"])
-        by_worker = state.get("samples_by_worker")
-        if by_worker is None:  # a state saved before: its own worker's count alone (0 before that)
-            by_worker = {self.worker_id: int(state.get("worker_samples", 0))}
-        self.samples_by_worker = {int(w): int(n) for w, n in by_worker.items()}
+        self.samples_by_worker = {int(w): int(n) for w, n in state["samples_by_worker"].items()}
 
     @property
     def worker_samples(self) -> int:

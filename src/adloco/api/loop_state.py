@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from adloco.algorithms.sharding import local_rows
+from adloco.checkpoint.schema import LOOP, check_kind, stamped, upgraded
 from adloco.workers.reports import WorkerRound
 
 if TYPE_CHECKING:
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
     from adloco.config import TrainConfig
 
 _STATE_KEY = "adloco_diloco"
-_SETTINGS_BEFORE = {"outer_optimizer": "sgd"}  # states saved before these settings
 
 
 def onto_device_of_model(device: torch.device) -> Callable[[Any, str], Any]:
@@ -51,6 +51,7 @@ class LoopState:
         return {self._state_key: self._payload(own_worker=True)}
 
     def _payload(self, own_worker: bool) -> bytes:
+        """The state in adloco's checkpoint format (``adloco.checkpoint.schema``: a loop's kind), as bytes."""
         state = {
             "inner_step": self.inner_step,
             "world_size": self.world_size,
@@ -64,7 +65,7 @@ class LoopState:
             **self.rounds.state_dict(),
         }
         buffer = io.BytesIO()
-        torch.save(state, buffer)
+        torch.save(stamped(state, LOOP), buffer)
         return buffer.getvalue()
 
     def _replica_state(self) -> dict[str, int] | None:
@@ -94,7 +95,12 @@ class LoopState:
     def _load_payload(self, payload: bytes, check_order: bool = False) -> None:
         device = local_rows(self.params[0]).device
         untouched = check_order and self._holds_construction_theta()  # before θ is replaced below, on every rank
-        state = torch.load(io.BytesIO(payload), weights_only=True, map_location=onto_device_of_model(device))
+        settings = _settings(self.config, self.shards, self._batch is not None)
+        where = f"the DiLoCo state of rank {self.global_rank}"
+        loaded = torch.load(io.BytesIO(payload), weights_only=True, map_location=onto_device_of_model(device))
+        # an older format version is brought up with what only this DiLoCo knows (its settings, H and worker)
+        state = upgraded(loaded, where, {"settings": settings, "sync_every": self.rounds.fixed, "worker_id": self.rank})
+        check_kind(state, LOOP, where)
         if state["world_size"] != self.world_size:
             raise ValueError(f"the state was saved by {state['world_size']} ranks; this job has {self.world_size}")
         if untouched and WorkerRound.from_tensor(state["round"]).steps:
@@ -103,10 +109,8 @@ class LoopState:
                 "DiLoCo(...) gave every rank: load each rank's own model state after DiLoCo(...) is built and before "
                 "diloco.load_state_dict (in dcp.load, the model before the DiLoCo object)"
             )
-        settings = _settings(self.config, self.shards, self._batch is not None)
-        saved_settings = {**_SETTINGS_BEFORE, **state.get("settings", settings)}
-        if saved_settings != settings:
-            raise ValueError(f"the state was saved with other settings ({saved_settings}); now {settings}")
+        if state["settings"] != settings:
+            raise ValueError(f"the state was saved with other settings ({state['settings']}); now {settings}")
         saved = {int(k): trainer for k, trainer in state["trainers"].items()}
         if any(k not in self.trainers for k in saved):
             raise ValueError("this DiLoCo's trainers merged after the state was saved: load it into a new DiLoCo")
@@ -122,7 +126,7 @@ class LoopState:
         self.workers[self.rank].load_params(drifted)
         self.inner_step = int(state["inner_step"])
         in_progress = WorkerRound.from_tensor(state["round"])
-        self.rounds.load_state_dict(state, self.inner_step)
+        self.rounds.load_state_dict(state)
         self._state = self._new_round()
         self._state.first_step = self.inner_step - len(in_progress.steps)
         self._state.local[self.rank] = in_progress
@@ -130,7 +134,7 @@ class LoopState:
             self._batch.load_state_dict(state["batch"])  # the round's plan and β2 follow the batch it holds
             self._batch.first_step = self.round_step == 0
             self._batch.round_steps = self.round_step
-        if state.get("replica") is not None and self.replica is not None:
+        if state["replica"] is not None and self.replica is not None:
             self.replica.manager.load_state_dict(state["replica"])
 
     def _holds_construction_theta(self) -> bool:

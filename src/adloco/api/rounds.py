@@ -98,8 +98,8 @@ class LoopRounds:
         auto = None if self.auto is None else self.auto.state_dict()
         return {"rounds": self.count, "sync_every": auto, "peak_lr": self.peak_lr}
 
-    def load_state_dict(self, state: dict[str, Any], inner_step: int) -> None:
-        self.count = int(state.get("rounds", inner_step // self.fixed))  # a state saved before H could change
-        self.peak_lr = float(state.get("peak_lr", 0.0))
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state["rounds"])
+        self.peak_lr = float(state["peak_lr"])
         if self.auto is not None:
             self.auto.load_state_dict(state["sync_every"])

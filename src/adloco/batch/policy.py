@@ -124,13 +124,13 @@ class TrainerBatch:
         return {
             "batch_size": self.size,
             "controller": self.controller.state_dict(),
-            **({"timed": self.timed.state_dict()} if self.timed is not None else {}),
+            "timed": None if self.timed is None else self.timed.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.size = int(state["batch_size"])
         self.controller.load_state_dict(state["controller"])
-        if self.timed is not None and state.get("timed") is not None:
+        if self.timed is not None and state["timed"] is not None:  # None: saved before the time-aware controller
             self.timed.load_state_dict(state["timed"])
 
 

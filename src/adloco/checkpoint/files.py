@@ -8,19 +8,20 @@ from typing import Any
 
 import torch
 
-from adloco.checkpoint.store import FORMAT_VERSION, atomic_write_bytes, record_checkpoint, sha256_of, write_failure
+from adloco.checkpoint.schema import stamped, upgraded
+from adloco.checkpoint.store import atomic_write_bytes, record_checkpoint, sha256_of, write_failure
 from adloco.errors import CheckpointError
 
 
-def save_checkpoint(directory: Path, round_number: int, state: dict[str, Any], keep: int) -> Path:
-    """Write ``round_<n>.pt`` (the state after round n, counted from 1) atomically, record its checksum in the
-    manifest, keep the newest ``keep``.
+def save_checkpoint(directory: Path, round_number: int, state: dict[str, Any], keep: int, *, kind: str) -> Path:
+    """Write ``round_<n>.pt`` (the state after round n, counted from 1, of ``kind``: see ``schema``) atomically,
+    record its checksum in the manifest, keep the newest ``keep``.
 
     The manifest is rewritten (atomically) only after the checkpoint itself is on disk, so a crash at
     any moment leaves a manifest that names only complete checkpoints.
     """
     buffer = io.BytesIO()
-    torch.save({"format_version": FORMAT_VERSION, "round": round_number, **state}, buffer)
+    torch.save(stamped({"round": round_number, **state}, kind), buffer)
     data = buffer.getvalue()
     path = directory / f"round_{round_number:06d}.pt"
     try:
@@ -34,8 +35,8 @@ def save_checkpoint(directory: Path, round_number: int, state: dict[str, Any], k
 
 
 def load_file(path: Path, sha256: str | None = None) -> dict[str, Any]:
-    """A checkpoint file read back and checked: present, intact (its ``sha256`` when given), adloco's, this
-    format version."""
+    """A checkpoint file read back and checked: present, intact (its ``sha256`` when given), adloco's, and
+    brought up to this format version."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -50,10 +51,4 @@ def load_file(path: Path, sha256: str | None = None) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint '{path}' does not exist") from None
     except Exception as error:  # torch raises many types for a damaged file
         raise CheckpointError(f"checkpoint '{path}' is damaged or not a checkpoint ({type(error).__name__})") from None
-    if not isinstance(state, dict) or "format_version" not in state:
-        raise CheckpointError(f"checkpoint '{path}' is not an adloco checkpoint")
-    if state["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint '{path}' has format version {state['format_version']!r}, this adloco reads {FORMAT_VERSION}"
-        )
-    return state
+    return upgraded(state, f"checkpoint '{path}'")

@@ -20,28 +20,30 @@ log = logging.getLogger(__name__)
 def load_checkpoint(
     path: Path,
     sha256: str | None = None,
-    training: bool = False,
+    kind: str | None = None,
     wanted: Callable[[int], bool] | None = None,
     layout: ShardLayout = UNSHARDED,
 ) -> dict[str, Any]:
-    """Load and check one checkpoint; with ``sha256`` the file must match the manifest's checksum.
+    """Load and check one checkpoint, brought up to this format version; with ``sha256`` the file must match the
+    manifest's checksum.
 
-    With ``training`` the top level must also have the shape a training run writes (trainers, workers,
-    counters), so a foreign torch file is refused here rather than failing half-way through a resume. With
-    ``wanted`` the workers it refuses are left out (a sharded checkpoint does not even read them); ``layout``: the
-    shard of sharded workers whose state a rank reads (cut anew from a checkpoint of another shard count).
+    With ``kind`` (``schema.TRAIN`` or ``REPLICA``) it must be of that kind and have the shape its driver writes
+    (a train run's: trainers, workers, counters), so a foreign torch file is refused here rather than failing
+    half-way through a resume. With ``wanted`` the workers it refuses are left out (a sharded checkpoint does not
+    even read them); ``layout``: the shard of sharded workers whose state a rank reads (cut anew from a checkpoint
+    of another shard count).
     """
     if path.is_dir():
         from adloco.checkpoint.sharded import load_sharded_checkpoint  # DCP's import costs a second: only here
 
-        return checked_shape(path, load_sharded_checkpoint(path, wanted, layout), training)
-    state = only_wanted(checked_shape(path, load_file(path, sha256), training), wanted)
+        return checked_shape(path, load_sharded_checkpoint(path, wanted, layout), kind)
+    state = only_wanted(checked_shape(path, load_file(path, sha256), kind), wanted)
     return state if layout.count == 1 else recut_checkpoint([state], layout, path)
 
 
 def latest_checkpoint(
     directory: Path,
-    training: bool = False,
+    kind: str | None = None,
     wanted: Callable[[int], bool] | None = None,
     layout: ShardLayout = UNSHARDED,
     on_fallback: Callable[[list[str], Path], None] | None = None,
@@ -59,7 +61,7 @@ def latest_checkpoint(
     problems = []
     for path, sha256 in reversed(candidates):
         try:
-            state = load_checkpoint(path, sha256, training, wanted, layout)
+            state = load_checkpoint(path, sha256, kind, wanted, layout)
         except CheckpointError as error:
             problems.append(str(error))
             continue

@@ -29,8 +29,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from adloco.algorithms.sharding import UNSHARDED, ShardLayout
+from adloco.checkpoint.schema import TRAIN, readable_version, stamped, upgraded
 from adloco.checkpoint.state import recut_checkpoint
-from adloco.checkpoint.store import FORMAT_VERSION, read_manifest, record_checkpoint, sha256_of, write_failure
+from adloco.checkpoint.store import read_manifest, record_checkpoint, sha256_of, write_failure
 from adloco.errors import CheckpointError, StorageError
 
 _REF = "\x00tensor:"  # marks a tensor's place in a skeleton; no state string starts with a NUL
@@ -83,8 +84,9 @@ def save_sharded_checkpoint(
     distributed: bool,
 ) -> Path:
     """Write this rank's ``part`` of checkpoint ``round_<n>/`` (collective: every rank calls it); rank 0's part
-    holds the shared state, to which the format version and round are added as ``save_checkpoint`` adds them to a
-    file. Rank 0 then renames the folder into place and records it in the manifest."""
+    holds the shared state, to which the format version, kind (an adloco train run's: the one writer of this
+    format) and round are added as ``save_checkpoint`` adds them to a file. Rank 0 then renames the folder into
+    place and records it in the manifest."""
     final = directory / f"round_{round_number:06d}"
     tmp = directory / f".{final.name}.tmp"
     if rank == 0:
@@ -96,7 +98,7 @@ def save_sharded_checkpoint(
             raise write_failure(error, "checkpoint", tmp) from None
     barrier()
     if rank == 0:
-        part = {"format_version": FORMAT_VERSION, "round": round_number, **part}
+        part = stamped({"round": round_number, **part}, TRAIN)
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _split(part, f"{rank}", tensors)
     state = {**tensors, f"{_SKELETON}{rank}": _as_bytes(skeleton)}
@@ -146,7 +148,7 @@ def load_sharded_checkpoint(
     """The parts of ``round_<n>/`` that a rank holding shard ``layout.index`` of its workers needs, checked against
     the manifest's checksums and put back together: the run's counters and config, that shard's shared state and
     the workers ``wanted`` accepts (all without it); no other tensor is read. A checkpoint of another shard count is
-    read whole (for those workers) and cut anew."""
+    read whole (for those workers) and cut anew. The state comes brought up to this format version."""
     _check_files(path)
     try:
         reader = dcp.FileSystemReader(str(path))
@@ -159,7 +161,7 @@ def load_sharded_checkpoint(
     except (Exception, CheckpointException) as error:  # DCP and torch raise many types for damaged files
         raise _damaged(path, error) from None
     head = _head(path, parts)
-    saved = int(head["config"].get("shards", 1)) if isinstance(head.get("config"), dict) else 1
+    saved = _written_shards(head)
     columns = [layout.index] if saved == layout.count else list(range(saved))
     ranks = {rank for rank, part in parts.items() if _shard_of(part) in columns}
     try:
@@ -176,7 +178,13 @@ def load_sharded_checkpoint(
     except (Exception, CheckpointException) as error:
         raise _damaged(path, error) from None
     joined = {rank: _join(_without_unwanted(parts[rank], wanted), tensors) for rank in ranks}
-    states = [_merged(path, head, {r: p for r, p in joined.items() if _shard_of(parts[r]) == c}, c) for c in columns]
+    states = [
+        upgraded(
+            _merged(path, head, {r: p for r, p in joined.items() if _shard_of(parts[r]) == c}, c),
+            f"checkpoint '{path}'",
+        )
+        for c in columns
+    ]
     if saved == layout.count:
         return states[0]
     return recut_checkpoint(states, layout, path)
@@ -187,15 +195,21 @@ def _damaged(path: Path, error: BaseException) -> CheckpointError:
 
 
 def _head(path: Path, parts: dict[int, Any]) -> dict[str, Any]:
-    """Rank 0's part: the format version, round, counters and config (the shard count it was written with)."""
+    """Rank 0's part: the format version, round, counters and config (the shard count it was written with); one of
+    a newer version is refused before any tensor is read."""
     head = next((p for p in parts.values() if isinstance(p, dict) and "format_version" in p), None)
     if head is None:
         raise CheckpointError(f"checkpoint '{path}' has no shared state (rank 0's part)")
-    if head["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint '{path}' has format version {head['format_version']!r}, this adloco reads {FORMAT_VERSION}"
-        )
+    readable_version(head, f"checkpoint '{path}'")
     return head
+
+
+def _written_shards(head: dict[str, Any]) -> int:
+    """The shards per worker a checkpoint was written with, read from rank 0's part before the parts are put
+    together (and the state migrated): in version 1 the part held no config before configs were kept, or a config
+    without ``shards`` before workers could be sharded; such a checkpoint was written with one."""
+    config = head.get("config")
+    return int(config.get("shards", 1)) if isinstance(config, dict) else 1
 
 
 def _read(path: Path, items: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -207,7 +221,8 @@ def _read(path: Path, items: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _shard_of(part: Any) -> int:
-    """The shard of its workers that the rank which wrote ``part`` held (0 for unsharded workers)."""
+    """The shard of its workers that the rank which wrote ``part`` held (0 for unsharded workers; a version-1 part
+    from before workers could be sharded holds none)."""
     return int(part.get("cluster", {}).get("shard", 0)) if isinstance(part, dict) else 0
 
 

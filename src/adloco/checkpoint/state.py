@@ -1,4 +1,4 @@
-"""What a checkpoint holds, checked and cut: the shape a training run writes, the workers a rank asks for, and
+"""What a checkpoint holds, checked and cut: its kind and the shape that kind has, the workers a rank asks for, and
 a sharded worker's state cut anew for another shard count."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from adloco.algorithms.sharding import ShardLayout, recut
+from adloco.checkpoint.schema import REPLICA, TRAIN, check_kind
 from adloco.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -32,10 +33,16 @@ def recut_checkpoint(columns: list[dict[str, Any]], layout: ShardLayout, path: P
     return state
 
 
-def checked_shape(path: Path, state: dict[str, Any], training: bool) -> dict[str, Any]:
-    problem = shape_problem(state) if training else ""
-    if problem:
-        raise CheckpointError(f"checkpoint '{path}' is not an adloco training checkpoint ({problem})")
+def checked_shape(path: Path, state: dict[str, Any], kind: str | None) -> dict[str, Any]:
+    """``state`` (upgraded), once it is of ``kind`` (None: any) and has the shape that kind's driver writes, so a
+    foreign file is refused here rather than half-way through a resume."""
+    if kind is None:
+        return state
+    check_kind(state, kind, f"checkpoint '{path}'")
+    if kind == TRAIN and shape_problem(state):
+        raise CheckpointError(f"checkpoint '{path}' is not an adloco training checkpoint ({shape_problem(state)})")
+    if kind == REPLICA and not {"diloco", "model", "optimizer"} <= set(state):
+        raise CheckpointError(f"checkpoint '{path}' is not a replica's: it lacks its model or DiLoCo state")
     return state
 
 
@@ -60,8 +67,5 @@ def only_wanted(state: dict[str, Any], wanted: Callable[[int], bool] | None) -> 
     """``state`` with only the workers ``wanted`` accepts."""
     if wanted is not None and isinstance(state.get("cluster"), dict):
         cluster = state["cluster"]
-        workers = cluster.get("workers", {})
-        # checkpoints from before the shared b_max table kept each worker's b_max with the worker only
-        cluster.setdefault("b_max", {w: s["b_max"] for w, s in workers.items() if "b_max" in s})
-        cluster["workers"] = {w: s for w, s in workers.items() if wanted(w)}
+        cluster["workers"] = {w: s for w, s in cluster.get("workers", {}).items() if wanted(w)}
     return state

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from adloco.checkpoint.names import CHECKPOINT_NAME, list_checkpoints
+from adloco.checkpoint.schema import FORMAT_VERSION
 from adloco.errors import StorageError
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
 

@@ -63,14 +63,15 @@ def local_state_dict(cluster: Cluster) -> dict:
 
 
 def shared_state(cluster: Cluster) -> dict:
-    """Trainers, exchanges in flight and costs: the same on every rank after a round, saved once."""
+    """Trainers, exchanges in flight and costs: the same on every rank after a round, saved once. Every key is
+    written (None where the run has no such part), as ``adloco.checkpoint.schema`` has a train run's state."""
     return {
         "trainers": {k: t.state_dict() for k, t in cluster.trainers.items()},
         "b_max": dict(cluster.b_max),  # every worker's, so a rank that reads only its own workers knows them all
         "pending": cluster.sync.state_dict(),
-        **({"costs": cluster.costs.state_dict()} if cluster.costs is not None else {}),
-        **({"sync_every": cluster.batches.auto.state_dict()} if cluster.batches.auto is not None else {}),
-        **({"retired_streams": dict(cluster.retired_streams)} if cluster.retired_streams else {}),
+        "costs": None if cluster.costs is None else cluster.costs.state_dict(),
+        "sync_every": None if cluster.batches.auto is None else cluster.batches.auto.state_dict(),
+        "retired_streams": dict(cluster.retired_streams),
     }
 
 
@@ -80,6 +81,7 @@ def _worker_state(cluster: Cluster, worker_id: int) -> dict:
 
 
 def load_state_dict(cluster: Cluster, state: dict) -> None:
+    """The cluster's state from a checkpoint's (``adloco.checkpoint.load_checkpoint``'s: in this format version)."""
     saved_trainers = state["trainers"]
     for k in list(cluster.trainers):
         if k not in saved_trainers:
@@ -88,7 +90,7 @@ def load_state_dict(cluster: Cluster, state: dict) -> None:
         cluster.trainers[k].load_state_dict(trainer_state)
     saved = {int(w): s for w, s in state["workers"].items()}  # this rank's workers, maybe all of them
     saved_ids = sorted({int(w) for t in saved_trainers.values() for w in t["worker_ids"]})
-    cluster.retired_streams = {int(w): s for w, s in state.get("retired_streams", {}).items()}
+    cluster.retired_streams = {int(w): s for w, s in state["retired_streams"].items()}
     if saved_ids != list(range(cluster.config.total_workers)):
         _resize(cluster, saved, saved_ids)
     for trainer in cluster.trainers.values():
@@ -98,11 +100,10 @@ def load_state_dict(cluster: Cluster, state: dict) -> None:
         if w in saved:
             worker.load_state_dict(saved[w])  # streaming: its own parameters replace θ
             cluster.sync.load_worker_state(w, saved[w])
-    saved_b_max = state.get("b_max") or {w: s["b_max"] for w, s in saved.items() if "b_max" in s}
-    cluster.b_max.update({int(w): int(b) for w, b in saved_b_max.items() if int(w) in cluster.b_max})
-    cluster.sync.load_state_dict(state.get("pending", {}))
-    if cluster.costs is not None and "costs" in state:
-        cluster.costs.load_state_dict(state["costs"])
+    cluster.b_max.update({int(w): int(b) for w, b in state["b_max"].items() if int(w) in cluster.b_max})
+    cluster.sync.load_state_dict(state["pending"])
+    if cluster.costs is not None and state["costs"] is not None:  # None: saved before the cost model, which
+        cluster.costs.load_state_dict(state["costs"])  # then starts from this start's own measurement
     if cluster.batches.auto is not None:  # sync_every cannot change on resume: an auto run saved its rule's state
         cluster.batches.auto.load_state_dict(state["sync_every"])
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from adloco.algorithms.sharding import local_rows, shard_rows
-from adloco.checkpoint import drop_checkpoints_after, load_checkpoint, read_manifest, save_checkpoint
+from adloco.checkpoint import REPLICA, drop_checkpoints_after, load_checkpoint, read_manifest, save_checkpoint
 from adloco.errors import CheckpointError
 from adloco.workers.sharded import backward_shard, load_local_optimizer_state, local_optimizer_state, sharded_copy
 
@@ -98,7 +98,7 @@ class ReplicaShards:
         folder = directory / f"shard{self.index}"
         folder.mkdir(parents=True, exist_ok=True)
         own = {**state, "model": rows, "optimizer": local_optimizer_state(optimizer)}
-        save_checkpoint(folder, round_number, own, max(keep, MIN_KEEP))
+        save_checkpoint(folder, round_number, own, max(keep, MIN_KEEP), kind=REPLICA)
 
     def restore(
         self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -116,8 +116,8 @@ class ReplicaShards:
             return folder, None
         problem, saved = None, None
         try:
-            saved = load_checkpoint(folder / entries[common]["file"], entries[common].get("sha256"))
-            self._load(saved, model, optimizer, folder)
+            saved = load_checkpoint(folder / entries[common]["file"], entries[common].get("sha256"), REPLICA)
+            self._load(saved, model, optimizer)
         except CheckpointError as error:
             problem = str(error)
         except (RuntimeError, ValueError, KeyError, TypeError) as error:
@@ -130,11 +130,7 @@ class ReplicaShards:
         drop_checkpoints_after(folder, common)
         return folder, saved
 
-    def _load(
-        self, saved: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
-    ) -> None:
-        if not {"diloco", "model", "optimizer"} <= set(saved):
-            raise CheckpointError(f"the checkpoint in {folder} is not a replica's: it lacks its model or DiLoCo state")
+    def _load(self, saved: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         rows = saved["model"]
         with torch.no_grad():
             for name, p in model.named_parameters():

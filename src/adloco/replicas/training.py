@@ -30,7 +30,7 @@ from adloco.algorithms.schedules import inner_lr
 from adloco.algorithms.sharding import local_rows
 from adloco.api import DiLoCo
 from adloco.api.train_parts import method_sections
-from adloco.checkpoint import latest_checkpoint, save_checkpoint
+from adloco.checkpoint import REPLICA, latest_checkpoint, save_checkpoint
 from adloco.cluster.placement import resolve_device
 from adloco.config import ConfigError, TrainConfig
 from adloco.data.tokenization import SAVED_DIR, save_tokenizer
@@ -162,11 +162,9 @@ def _own_checkpoint(
     is loaded before its first quorum."""
     if shards is not None:
         return shards.restore(directory, model, optimizer)[1]
-    saved = latest_checkpoint(directory)
+    saved = latest_checkpoint(directory, kind=REPLICA)
     if saved is None:
         return None
-    if not {"diloco", "model", "optimizer"} <= set(saved):
-        raise CheckpointError(f"the checkpoint in {directory} is not a replica's: it lacks its model or DiLoCo state")
     try:
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
@@ -345,7 +343,7 @@ class _ReplicaLoop:
         if self.shards is None:
             state = {"diloco": self.diloco.state_dict(), "model": self.model.state_dict(),
                      "optimizer": self.optimizer.state_dict()}  # fmt: skip
-            save_checkpoint(self.checkpoints, count, state, keep)
+            save_checkpoint(self.checkpoints, count, state, keep, kind=REPLICA)
         else:  # each rank its own rows
             self.shards.save(self.checkpoints, count, keep, diloco=self.diloco.state_dict(), model=self.model,
                              optimizer=self.optimizer)  # fmt: skip

@@ -16,6 +16,7 @@ from transformers.utils import logging as hf_logging
 
 from adloco.algorithms.sharding import ShardLayout
 from adloco.checkpoint import (
+    TRAIN,
     CheckpointError,
     apply_umask,
     checkpoint_round,
@@ -254,9 +255,9 @@ def _resume_from(
             )
 
     checkpoint = latest_checkpoint(
-        run_dir / "checkpoints", training=True, wanted=wanted, layout=layout, on_fallback=fell_back
+        run_dir / "checkpoints", kind=TRAIN, wanted=wanted, layout=layout, on_fallback=fell_back
     )
-    changes = resume_changes(checkpoint.get("config"), config)
+    changes = resume_changes(checkpoint["config"], config)
     if lock is not None and changes:
         write_run_config(run_dir, config)  # the next resume starts from these settings
         _say(console, "resuming with changed settings: " + "; ".join(changes))
@@ -533,7 +534,7 @@ def _checkpoint(run: RunState, round_number: int) -> None:
         return
     state = run.cluster.state_dict()  # collective: every rank hands its workers' state to rank 0
     if run.is_root:
-        save_checkpoint(directory, round_number, {"cluster": state, **run_state}, keep=keep)
+        save_checkpoint(directory, round_number, {"cluster": state, **run_state}, keep=keep, kind=TRAIN)
 
 
 def _finish(run: RunState, tokenizer_info: dict) -> TrainResult:

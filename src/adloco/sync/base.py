@@ -126,7 +126,7 @@ class DeltaStrategy(SyncStrategy):
         return {"error_feedback": self.exchange.worker_state(worker_id)}
 
     def load_worker_state(self, worker_id: int, state: dict) -> None:
-        self.exchange.load_worker_state(worker_id, state.get("error_feedback"))
+        self.exchange.load_worker_state(worker_id, state["error_feedback"])
 
 
 def pending_item(due: int, exchanged: Exchanged) -> dict[str, Any]:
@@ -138,14 +138,13 @@ def pending_item(due: int, exchanged: Exchanged) -> dict[str, Any]:
 
 
 def completed(item: dict[str, Any]) -> torch.futures.Future:
-    """An exchange that is already done, from its ``pending_item`` (a state saved before the drift and the drop
-    were kept: none, and applied)."""
-    drift = item.get("drift") or {}
+    """An exchange that is already done, from its ``pending_item``."""
+    drift = item["drift"]
     exchanged = Exchanged(
         mean=list(item["delta"]),
         reports={},
-        drift=Drift({int(w): float(sq) for w, sq in drift.get("worker_sq", {}).items()}, drift.get("mean_sq", 0.0)),
-        dropped=bool(item.get("dropped", False)),
+        drift=Drift({int(w): float(sq) for w, sq in drift["worker_sq"].items()}, drift["mean_sq"]),
+        dropped=bool(item["dropped"]),
     )
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(exchanged)

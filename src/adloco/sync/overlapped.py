@@ -144,7 +144,7 @@ class OverlappedSync(DeltaStrategy):
     def load_worker_state(self, worker_id: int, state: dict) -> None:
         super().load_worker_state(worker_id, state)
         copy = self.eager.get(worker_id)
-        if copy is not None and state.get("eager") is not None:
+        if copy is not None and state["eager"] is not None:  # None: saved before the copy was kept
             copy.load_state_dict(state["eager"])
             self.workers[worker_id].load_params(copy.theta)  # it starts the next round from its own copy
 

@@ -25,7 +25,7 @@ import torch
 from adloco.algorithms.batch_tests import BatchSizeController, GradientStatistics, statistics_from_gram
 from adloco.algorithms.noise import batch_deviations, gram_of_rows, predicted_deviation, simple_noise_scale
 from adloco.algorithms.sharding import ShardLayout
-from adloco.checkpoint import CheckpointError, checkpoint_round, list_checkpoints, load_checkpoint, read_manifest
+from adloco.checkpoint import TRAIN, CheckpointError, checkpoint_round, list_checkpoints, load_checkpoint, read_manifest
 from adloco.config import ConfigError, TrainConfig
 from adloco.data import SAVED_DIR, build_tokenizer, load_corpus
 from adloco.metrics.writer import read_metrics
@@ -145,12 +145,8 @@ def _load_checkpoint(
     task = _task(config, tokenizer)
     model = task.build_model(config.seed)
     whole = ShardLayout(0, 1, lambda: {tuple(p.shape) for p in model.parameters()})  # sharded workers' θ joined
-    state = load_checkpoint(path, sha256, layout=whole)
-    try:
-        trainers = state["cluster"]["trainers"]
-        saved_round = int(state["round"])
-    except (KeyError, TypeError):
-        raise CheckpointError(f"checkpoint '{path}' holds no trainer parameters") from None
+    state = load_checkpoint(path, sha256, TRAIN, layout=whole)  # a train run's: its trainers and round are there
+    trainers, saved_round = state["cluster"]["trainers"], int(state["round"])
     if trainer is None:
         # The trainer with the best validation loss at that round, if it was evaluated; else the first.
         rounds, _ = _round_records(run_dir)

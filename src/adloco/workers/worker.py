@@ -267,9 +267,8 @@ class Worker:
         for group in adamw_groups(self.optimizer):
             group["fused"], group["foreach"] = kernel.get("fused"), kernel.get("foreach")
         self.stream.load_state_dict(state["stream"])
-        if "loss_scale" in state:  # checkpoints from before fp16 hold none: their scale is the constant 1
-            self.loss_scale.load_state_dict(state["loss_scale"])
-        if state.get("params") is not None:
+        self.loss_scale.load_state_dict(state["loss_scale"])
+        if state["params"] is not None:  # None: the worker starts the round from θ
             self.load_params(state["params"])
 
 

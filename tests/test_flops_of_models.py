@@ -1,13 +1,14 @@
 """The FLOPs of the models a run trains: the presets' counts, lookups left out, a tied head counted."""
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from adloco.models.build import flops_per_token_of, preset_config
 from adloco.models.precision import compute_dtype, peak_flops
 
 
 def test_llama_125m_has_gpt2_smalls_shape_and_its_flops():
+    from transformers import LlamaForCausalLM
+
     config = preset_config("llama-125m", 32768)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -19,6 +20,8 @@ def test_llama_125m_has_gpt2_smalls_shape_and_its_flops():
 
 
 def test_a_head_tied_to_the_embedding_counts_once():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, tie_word_embeddings=True)  # fmt: skip
     with torch.device("meta"):

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from adloco.algorithms.fragments import assign_fragments, layer_index, mix
 from adloco.algorithms.outer import OuterOptimizer, mean_in_order, worker_delta
@@ -24,6 +23,8 @@ def pseudo_gradient(theta, workers):
 
 @functools.cache
 def _names() -> tuple[str, ...]:
+    from transformers import LlamaConfig, LlamaForCausalLM  # on use: collecting the suite skips its import
+
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=32,

@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaForSequenceClassification
 
 from adloco.config import InnerConfig
 from adloco.data import TokenStream
@@ -60,6 +59,8 @@ def test_the_stacked_forward_gives_each_model_its_own_loss_and_gradient(kv_heads
 
 
 def test_what_cannot_be_stacked_is_named():
+    from transformers import LlamaForSequenceClassification
+
     tied = _config()
     tied.tie_word_embeddings = True
     assert "ties" in unsupported_reason(build_model(tied, 0), next_token_loss)

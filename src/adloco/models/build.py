@@ -5,16 +5,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-from transformers import BertConfig, LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.utils import logging as hf_logging
 
 from adloco.checkpoint import CheckpointError
 from adloco.config import ConfigError
 from adloco.config.sections import BERT_PRESETS, PRESETS
 from adloco.models.losses import classification_loss, next_token_loss  # noqa: F401 - their home before
+
+if TYPE_CHECKING:
+    from transformers import BertConfig, LlamaConfig, PretrainedConfig, PreTrainedModel
+
+# transformers is imported where a model or its config is made, not with this module: importing it costs seconds
+# that a command which builds no model (and the test suite's collection) should not pay.
 
 Head = Literal["lm", "classification"]
 
@@ -24,6 +28,8 @@ def preset_config(preset: str, vocab_size: int, context: int | None = None) -> L
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset '{preset}' (choose from {', '.join(PRESETS)})")
     layers, heads, kv_heads, hidden, mlp, preset_context = PRESETS[preset]
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -48,6 +54,8 @@ def bert_preset_config(preset: str, vocab_size: int, context: int | None = None)
     if preset not in BERT_PRESETS:
         raise ValueError(f"unknown BERT preset '{preset}' (choose from {', '.join(BERT_PRESETS)})")
     layers, heads, hidden, mlp, preset_context = BERT_PRESETS[preset]
+    from transformers import BertConfig
+
     return BertConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -87,12 +95,28 @@ def model_class(config: PretrainedConfig, head: Head) -> type[PreTrainedModel]:
 
 
 def _class_for(config: PretrainedConfig, head: Head) -> type[PreTrainedModel]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     return LlamaForCausalLM if head == "lm" and type(config) is LlamaConfig else model_class(config, head)
+
+
+def quiet_transformers() -> None:
+    """transformers says only its errors (its warnings about our own offline configs are noise)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
+def no_progress_bar() -> None:
+    """No transformers progress bars (loading and saving a model a run knows the size of)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def build_model(config: PretrainedConfig, seed: int, head: Head = "lm") -> PreTrainedModel:
     """A randomly initialised model with ``head``; the same seed gives the same parameters."""
-    hf_logging.set_verbosity_error()
+    quiet_transformers()
     cls = _class_for(config, head)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -137,7 +161,7 @@ class ModelSpec:
 
     def skeleton(self) -> PreTrainedModel:
         """The model's parameters on the meta device: counted and their shapes read without allocating them."""
-        hf_logging.set_verbosity_error()
+        quiet_transformers()
         with torch.device("meta"):
             return _class_for(self.config, self.head)(self.config)
 
@@ -146,8 +170,8 @@ class ModelSpec:
         if self.checkpoint is None:
             return build_model(self.config, seed, self.head)
         cls = model_class(self.config, self.head)
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
+        quiet_transformers()
+        no_progress_bar()
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)  # a head the checkpoint lacks starts from this seed

@@ -8,12 +8,15 @@ numbers are those of W separate models up to float rounding (the kernels differ;
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from adloco.models.losses import next_token_loss
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 _LAYER_PARTS = (
     "self_attn.q_proj",
@@ -32,6 +35,8 @@ def unsupported_reason(model: torch.nn.Module, loss_fn: Callable[..., torch.Tens
     """Why ``model`` cannot run stacked (None when it can): the stacked forward knows plain LLaMA decoders only."""
     if loss_fn is not next_token_loss:
         return "the task's loss is not next-token prediction"
+    from transformers import LlamaForCausalLM  # transformers loads where a model is built, not on import
+
     if type(model) is not LlamaForCausalLM:
         return f"{type(model).__name__} is not a LLaMA causal LM"
     config = model.config

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from transformers.utils import logging as hf_logging
 
 from adloco.algorithms.sharding import ShardLayout
 from adloco.checkpoint import (
@@ -101,7 +100,9 @@ def export_final(model: torch.nn.Module, theta: list[torch.Tensor], run_dir: Pat
     final = run_dir / "final"
     staging = run_dir / ".final.tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    hf_logging.disable_progress_bar()
+    from adloco.models.build import no_progress_bar
+
+    no_progress_bar()
     try:
         model.save_pretrained(staging, safe_serialization=True)
         (staging / "adloco_tokenizer.json").write_text(json.dumps(tokenizer_info, indent=2) + "\n")

@@ -14,15 +14,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
 
 from adloco.config import ConfigError, TrainConfig
 from adloco.data import BUNDLED, DataError, Tokenizer, spread
 from adloco.data.labelled import LabelledRows, LabelledSplit, SampleStream, label_names, read_labelled, split_rows
 from adloco.models.build import ModelSpec, classification_loss, max_positions, next_token_loss, resolve_model
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 EVAL_BATCH = 64
 

@@ -43,8 +43,13 @@ FAST = [
 UNIT_PACKAGES = ("algorithms", "config", "batch", "sync")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).resolve().parent
+    if "stress" not in (config.getoption("markexpr") or ""):  # a tier's -m leaves the stress scenarios out too
+        stress = [item for item in items if item.get_closest_marker("stress")]
+        if stress:
+            config.hook.pytest_deselected(items=stress)
+            items[:] = [item for item in items if not item.get_closest_marker("stress")]
     for item in items:
         parts = Path(item.fspath).resolve().relative_to(tests).parts
         heavy = item.get_closest_marker("training") or item.get_closest_marker("process")

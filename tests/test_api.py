@@ -1,10 +1,13 @@
 """The public Python API: `from adloco import train, TrainConfig`, as the README shows it."""
 
+import pytest
+
 import adloco
 from adloco import TrainConfig, build_config, train
 from tests.conftest import FAST
 
 
+@pytest.mark.training
 def test_a_config_built_in_python_trains_like_the_same_overrides(tmp_path):
     config = TrainConfig(
         model={"context": 16},

@@ -13,6 +13,7 @@ def _rounds(run_dir):
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "round"]
 
 
+@pytest.mark.training
 def test_auto_follows_the_pinned_costs_within_its_bounds_and_says_why(fast_overrides):
     bounds = ["sync_every=auto", "sync_auto.min=2", "sync_auto.max=8", "sync_auto.start=2", "total_tokens=2048"]
     slow = train(build_config(overrides=[*fast_overrides, *bounds, *PINNED_PACE]))

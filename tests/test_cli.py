@@ -14,6 +14,7 @@ def _run(*args, cwd=None, timeout=120):
     return adloco_process(*args, cwd=cwd, timeout=timeout)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
@@ -35,6 +36,7 @@ def test_bad_input_is_one_line_and_exit_2(args, fragment, tmp_path):
     assert len(lines) <= 3  # argparse prints its usage line before the error
 
 
+@pytest.mark.process
 def test_damaged_checkpoint_is_reported(tmp_path):
     # The run is made in this process (the CLI's own training path is tested below); only the resume is a CLI call.
     run = train(
@@ -47,6 +49,7 @@ def test_damaged_checkpoint_is_reported(tmp_path):
     assert "damaged" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.process
 def test_train_prints_final_validation_loss_and_perplexity(tmp_path):
     result = _run("train", *FAST, "total_tokens=128", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -54,6 +57,7 @@ def test_train_prints_final_validation_loss_and_perplexity(tmp_path):
     assert (tmp_path / "runs").is_dir()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("args", [["train", "workers=0"], ["train", "--resume", "/nonexistent/run"], ["runs", "x"]])
 def test_bad_config_and_run_paths_fail_before_torch_is_imported(args):
     """A typo must not wait for torch and transformers to load (seconds); the error types live in a light module."""

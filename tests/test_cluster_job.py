@@ -115,6 +115,7 @@ def test_a_budget_below_one_step_says_so_and_trains_that_step(tmp_path, capsys):
 # -- progress without a terminal ----------------------------------------------------------------------------------
 
 
+@pytest.mark.training
 def test_piped_training_prints_the_run_folder_first_then_plain_progress_lines(tmp_path, capsys):
     overrides = [*FAST, "total_tokens=4096", "run.progress=true", "run.progress_every_s=0.01", "run.name=piped"]
     result = _cli(capsys, "train", *overrides, cwd=tmp_path)  # captured: not a terminal, as under nohup
@@ -145,6 +146,7 @@ def test_the_bar_stays_readable_at_80_columns():
 # -- one process per run folder ------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_a_run_folder_has_one_live_trainer_and_a_dead_ones_lock_is_taken_over(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from adloco.run.runs import lock_run; from pathlib import Path; "
@@ -247,6 +249,7 @@ def _wait_for_round(metrics: Path, proc: subprocess.Popen, timeout: float = 120)
     raise AssertionError("the run wrote no round in time")
 
 
+@pytest.mark.process
 def test_sigterm_checkpoints_at_the_round_end_and_the_resume_is_bit_identical(tmp_path):
     overrides = [*FAST, "total_tokens=4096", "checkpoint.every=1000", "threads=1", "run.plots=false"]
     reference = train(build_config(overrides=[*overrides, f"run.root={tmp_path}", "run.name=reference"]))
@@ -269,6 +272,7 @@ def test_sigterm_checkpoints_at_the_round_end_and_the_resume_is_bit_identical(tm
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+@pytest.mark.process
 def test_sigusr1_stops_the_same_way(tmp_path):
     proc = _start(tmp_path, "stopped", [*FAST, "total_tokens=100000", "checkpoint.every=1000", "threads=1"])
     _wait_for_round(tmp_path / "stopped" / "metrics.jsonl", proc)
@@ -279,6 +283,7 @@ def test_sigusr1_stops_the_same_way(tmp_path):
     assert err.strip().splitlines()[-1].startswith("adloco: stopped on SIGUSR1: checkpoint of round ")
 
 
+@pytest.mark.process
 def test_ctrl_c_names_the_newest_checkpoint_or_says_there_is_none(tmp_path):
     overrides = [*FAST, "total_tokens=100000", "checkpoint.every=1", "threads=1"]
     proc = _start(tmp_path, "interrupted", overrides)
@@ -336,6 +341,7 @@ def test_the_byte_export_loads_with_auto_tokenizer_and_follows_the_umask(tmp_pat
 # -- the command line ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_print_config_shows_the_resolved_config_and_trains_nothing(tmp_path):
     result = _adloco("train", "--print-config=all", "total_tokens=2e4", "method=adloco", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

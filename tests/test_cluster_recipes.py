@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from adloco.metrics.records import read_metrics
@@ -106,6 +107,7 @@ def _steps(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "srun.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.process
 def test_the_torchrun_batch_script_trains_across_two_nodes(tmp_path):
     """One srun of a torchrun launcher per node; the launchers meet at the first node's c10d rendezvous under
     the job's id, and the job's 2 ranks (one per node) train one run to its end."""
@@ -134,6 +136,7 @@ def test_the_torchrun_batch_script_trains_across_two_nodes(tmp_path):
     assert Path(pointer.read_text().strip()) == run_dir.resolve()
 
 
+@pytest.mark.process
 @needs_torchft
 def test_the_replica_batch_script_runs_a_lighthouse_and_one_replica_per_node(tmp_path):
     """The Lighthouse as a step of one task, then a step of one replica per node (one process each), indexed by
@@ -169,6 +172,7 @@ def test_the_batch_scripts_give_slurm_their_settings_before_any_command():
         assert not any(line.startswith("#SBATCH") for line in lines[first_command:]), name
 
 
+@pytest.mark.process
 def test_the_kubernetes_manifest_is_a_headless_service_and_an_indexed_job_meeting_at_pod_0():
     service, job = yaml.safe_load_all((CLUSTER / "kubernetes" / "train.yaml").read_text())
     assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"

@@ -84,6 +84,7 @@ def _namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
 
 
+@pytest.mark.process
 @pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"delay line unavailable: {_UNAVAILABLE}")
 def test_the_delay_line_adds_the_round_trip_it_is_asked_for_and_keeps_the_rate():
     with link.delay_link(100, 0.0, ranks=2, prefix="adlt3") as fast:

@@ -105,6 +105,7 @@ def _read_only_folder(path: Path):
         subprocess.run(["umount", str(path)], check=True)
 
 
+@pytest.mark.process
 def test_read_only_run_root_stops_before_training(tmp_path, capsys, model_path):
     with _read_only_folder(tmp_path / "ro") as root:
         with pytest.raises(OSError):  # the folder really refuses writes
@@ -115,6 +116,7 @@ def test_read_only_run_root_stops_before_training(tmp_path, capsys, model_path):
         assert not list(root.iterdir())
 
 
+@pytest.mark.process
 def test_resume_into_a_read_only_run_dir_stops_before_training(tmp_path, capsys, model_path):
     """The preflight probe on --resume: a run directory that became read-only is reported, not trained into."""
     code, err = _cli([*_args(model_path, tmp_path), "total_tokens=256"], capsys)
@@ -254,6 +256,7 @@ def _fill(folder: Path) -> Path:
     return filler
 
 
+@pytest.mark.process
 def test_real_full_disk_at_a_checkpoint_write(small_tmpfs, capsys, monkeypatch, model_path, reference):
     real_save = adloco.run.training.save_checkpoint
     state = {"saves": 0, "filler": None}

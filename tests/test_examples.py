@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.api.test_replica import _lighthouse, needs_torchft
 from tests.comm.test_distributed import _env, _free_port
 
@@ -19,6 +21,7 @@ def _torchrun_example(name: str, *args: str, cwd: Path) -> str:
     return result.stdout
 
 
+@pytest.mark.process
 def test_the_plain_loop_example_trains_with_diloco(tmp_path):
     out = _torchrun_example("plain_loop.py", "--steps", "20", "--sync-every", "5", cwd=tmp_path)
     match = re.fullmatch(r"diloco: val loss (\d+\.\d+), ([\d,]+) tokens/s\n", out)
@@ -26,6 +29,7 @@ def test_the_plain_loop_example_trains_with_diloco(tmp_path):
     assert 0 < float(match.group(1)) < 5.6  # below ln 256: it learned something in 20 steps
 
 
+@pytest.mark.process
 def test_the_hf_trainer_example_trains_with_diloco(tmp_path):
     out = _torchrun_example("hf_trainer.py", "--steps", "20", "--sync-every", "5", "--out", str(tmp_path / "o"),
                             cwd=tmp_path)  # fmt: skip
@@ -33,12 +37,14 @@ def test_the_hf_trainer_example_trains_with_diloco(tmp_path):
     assert loss is not None and 0 < float(loss.group(1)) < 5.6, out[-2000:]
 
 
+@pytest.mark.process
 def test_the_lightning_example_trains_with_diloco(tmp_path):
     out = _torchrun_example("lightning_fit.py", "--steps", "20", "--sync-every", "5", cwd=tmp_path)
     loss = re.search(r"^diloco: val loss (\d+\.\d+)$", out, re.M)
     assert loss is not None and 0 < float(loss.group(1)) < 5.6, out[-2000:]
 
 
+@pytest.mark.process
 def test_the_adaptive_loop_example_trains_with_adloco(tmp_path):
     out = _torchrun_example("adaptive_loop.py", "--tokens", "6144", "--sync-every", "4", "--batch", "2",
                             "--controller", "test", cwd=tmp_path)  # fmt: skip
@@ -47,6 +53,7 @@ def test_the_adaptive_loop_example_trains_with_adloco(tmp_path):
     assert 0 < float(match.group(1)) < 5.6 and int(match.group(3)) >= 2  # b never shrinks by default
 
 
+@pytest.mark.process
 @needs_torchft
 def test_the_replica_example_trains_as_fault_tolerant_replicas(tmp_path):
     lighthouse, address = _lighthouse(min_replicas=2)

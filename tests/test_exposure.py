@@ -61,6 +61,7 @@ def _socket_inodes(pid: int) -> set[str]:
     return inodes
 
 
+@pytest.mark.process
 def test_a_loopback_torchrun_job_listens_on_loopback_only(tmp_path):
     port = _free_port()
     command = [

@@ -215,6 +215,7 @@ def test_empty_and_repeated_keys_are_valid_or_one_line_errors(pairs):
     _valid_or_config_error(lambda: (reject_repeated(items), build_config(overrides=items))[1])
 
 
+@pytest.mark.training
 @FUZZ
 @given(depth=st.integers(1, 12), width=st.integers(1, 12), where=st.sampled_from(["separator", "workers", "x"]))
 def test_yaml_aliases_expand_within_bounds_or_are_refused(scratch, depth, width, where):
@@ -561,6 +562,7 @@ foreign = st.one_of(
 )
 
 
+@pytest.mark.training
 @FUZZ
 @given(obj=foreign)
 @example(obj={"format_version": 99})

@@ -3,12 +3,15 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 _BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(_BENCHMARKS))  # the benchmark imports its siblings as a script would
 
 import gpu  # noqa: E402 - after the path
 
 
+@pytest.mark.training
 def test_the_quick_mode_runs_every_row_and_renders_the_table():
     result = gpu.main(["--quick"])
     rows = result["rows"]

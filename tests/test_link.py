@@ -178,6 +178,7 @@ def _namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
 
 
+@pytest.mark.process
 @pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"namespace link unavailable: {_UNAVAILABLE}")
 def test_three_ranks_on_one_bridge_and_cleanup_even_when_the_body_fails():
     with pytest.raises(RuntimeError, match="boom"), link.namespace_link(100, ranks=3, prefix="adlt1") as made:
@@ -188,6 +189,7 @@ def test_three_ranks_on_one_bridge_and_cleanup_even_when_the_body_fails():
     assert "adlt1" not in _namespaces()
 
 
+@pytest.mark.process
 @pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"namespace link unavailable: {_UNAVAILABLE}")
 def test_a_two_rank_job_over_a_100_mbit_link_stopped_at_its_first_evaluation(tmp_path):
     overrides = [

@@ -62,6 +62,7 @@ def test_eager_outer_steps_by_hand():
     assert trainer.theta[0].item() == -5.0
 
 
+@pytest.mark.training
 def test_eager_with_one_worker_is_diloco_bit_for_bit(fast_overrides):
     base = [*fast_overrides, "method=diloco", "workers=1"]
     plain = train(build_config(overrides=base))
@@ -69,6 +70,7 @@ def test_eager_with_one_worker_is_diloco_bit_for_bit(fast_overrides):
     assert same_params(final_params(plain.run_dir), final_params(eager.run_dir))
 
 
+@pytest.mark.training
 def test_overlap_sends_the_same_bytes_and_changes_the_trajectory(fast_overrides):
     runs = {
         mode: train(build_config(overrides=[*fast_overrides, "method=diloco", f"outer.overlap={mode}"]))
@@ -90,6 +92,7 @@ def test_overlap_sends_the_same_bytes_and_changes_the_trajectory(fast_overrides)
     assert rounds["delayed"][0]["train_loss"] == rounds["none"][0]["train_loss"]
 
 
+@pytest.mark.training
 @pytest.mark.parametrize(("mode", "checkpoint_format"), [("delayed", "file"), ("eager", "file"), ("eager", "sharded")])
 def test_resume_with_an_exchange_in_flight_is_bit_identical(mode, checkpoint_format, fast_overrides, tmp_path):
     overrides = [*fast_overrides, "method=diloco", f"outer.overlap={mode}", "checkpoint.every=1", "checkpoint.keep=9"]

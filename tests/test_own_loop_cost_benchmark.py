@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 _BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(_BENCHMARKS))  # the benchmark imports its siblings as a script would
 
@@ -58,6 +60,7 @@ def test_the_table_names_a_missing_torchft_instead_of_skipping_it():
     assert "adloco less torchft" not in table
 
 
+@pytest.mark.process
 def test_the_quick_mode_runs_every_side_and_writes_its_results(tmp_path):
     out, doc = tmp_path / "result.json", tmp_path / "doc.md"
     doc.write_text(f"intro\n{bench.MARKERS[0]}\n{bench.MARKERS[1]}\n")

@@ -62,6 +62,7 @@ def _torchft_missing() -> str | None:
     return None
 
 
+@pytest.mark.process
 @pytest.mark.skipif(_torchft_missing() is not None, reason="torchft (extra 'torchft') unavailable")
 def test_a_tiny_run_matches_torchft_bit_for_bit(tmp_path, monkeypatch):
     monkeypatch.setenv("RUST_LOG", "warn")

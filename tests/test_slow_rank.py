@@ -56,6 +56,7 @@ def test_the_table_shows_the_wait_per_exchange_the_split_and_the_loss(tmp_path):
 _UNAVAILABLE = slow_rank.unavailable()
 
 
+@pytest.mark.process
 @pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"slow rank unavailable: {_UNAVAILABLE}")
 def test_a_process_in_the_quota_group_gets_only_its_share_of_a_core():
     busy = (

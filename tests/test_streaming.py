@@ -18,6 +18,7 @@ def _rounds(run_dir):
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "round"]
 
 
+@pytest.mark.training
 def test_one_fragment_no_overlap_no_mixing_is_diloco(fast_overrides):
     diloco = train(build_config(overrides=[*fast_overrides, "method=diloco"]))
     streaming = train(
@@ -34,6 +35,7 @@ def test_one_fragment_no_overlap_no_mixing_is_diloco(fast_overrides):
     assert same_params(final_params(diloco.run_dir), final_params(streaming.run_dir))
 
 
+@pytest.mark.training
 def test_fp32_codec_is_bit_equal_to_no_codec(fast_overrides):
     plain = train(build_config(overrides=[*fast_overrides, "method=diloco"]))
     coded = train(build_config(overrides=[*fast_overrides, "method=diloco", "codec.name=fp32"]))
@@ -69,6 +71,7 @@ def test_streaming_with_each_codec(codec, fast_overrides):
     assert sent < full_fp32 * (bits / 32) * 1.1 + 2000 and sent > full_fp32 * (bits / 32) * 0.95
 
 
+@pytest.mark.training
 def test_peak_bytes_per_sync_is_one_fragment(fast_overrides):
     streaming = train(
         build_config(
@@ -83,6 +86,7 @@ def test_peak_bytes_per_sync_is_one_fragment(fast_overrides):
     assert peak < 0.5 * full
 
 
+@pytest.mark.training
 @pytest.mark.parametrize("checkpoint_format", ["file", "sharded"])
 def test_resume_with_an_exchange_in_flight_is_bit_identical(checkpoint_format, fast_overrides, tmp_path):
     """Worker parameters, error-feedback residuals and an exchange in flight all go through the checkpoint."""

@@ -40,6 +40,7 @@ def corpus(tmp_path_factory):
 ADLOCO = ["method=adloco", "batch.b_cap=8", "sync_every=3", "total_tokens=3072", *PINNED_PACE]
 
 
+@pytest.mark.process
 def test_a_killed_run_on_token_files_resumes_bit_identically(corpus, tmp_path):
     overrides = [*FAST, *ADLOCO, f"data.dataset={corpus}", "checkpoint.every=1", "checkpoint.keep=100"]
     full = train(build_config(overrides=[*overrides, f"run.root={tmp_path / 'a'}"]))
@@ -69,6 +70,7 @@ def test_a_killed_run_on_token_files_resumes_bit_identically(corpus, tmp_path):
     ]
 
 
+@pytest.mark.process
 def test_the_run_takes_the_prepared_tokenizer_and_refuses_a_changed_folder_on_resume(corpus, tmp_path):
     prepared = tmp_path / "bpe"
     prepare(PrepareSettings("tinyshakespeare", "bpe", vocab_size=300, shard_tokens=50_000), prepared, QUIET)
@@ -88,6 +90,7 @@ def test_the_run_takes_the_prepared_tokenizer_and_refuses_a_changed_folder_on_re
     )
 
 
+@pytest.mark.process
 def test_a_model_whose_vocabulary_misses_token_ids_is_refused(tmp_path):
     np.tile(np.arange(300, dtype=np.uint16), 20).tofile(tmp_path / "ids.bin")
     answer = adloco_process("train", f"data.dataset={tmp_path / 'ids.bin'}", *FAST, f"run.root={tmp_path}")

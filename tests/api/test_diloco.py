@@ -45,6 +45,7 @@ def _loop(tmp_path: Path, out: Path, settings: list[str], *flags: str, script: P
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("method", "flags", "stop_after"),
     [
@@ -96,6 +97,7 @@ def test_a_plain_loop_with_diloco_ends_on_the_bits_of_adloco_train(tmp_path, met
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+@pytest.mark.process
 def test_workers_sharded_with_fsdp2_exchange_their_rows_and_resume_from_dcp(tmp_path):
     """4 torchrun ranks, 2 workers each sharded over 2 ranks with FSDP2 (examples/sharded_loop.py's loop), DiLoCo
     over the mesh's other dimension: the θ of the same 2 workers unsharded up to the order of float additions (each
@@ -377,6 +379,7 @@ def test_a_state_saved_on_a_gpu_loads_into_a_model_on_the_cpu():
     assert place(storage, "cuda:1") is storage and place(storage, "cpu") is storage
 
 
+@pytest.mark.process
 def test_a_plain_pytorch_loop_does_not_load_the_model_library():
     """A loop of plain PyTorch pays for what it uses: DiLoCo over a model that is not an HF one never imports
     transformers (seconds of every start-up, a restarted replica's too)."""

@@ -54,6 +54,7 @@ def test_finish_without_a_round_is_refused_instead_of_undoing_the_training():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), trained, strict=True))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("scenario", ["ddp-given", "ddp-around"])
 def test_a_model_still_in_ddp_trains_as_diloco_with_a_line_saying_so(tmp_path, scenario):
     """Given in DistributedDataParallel, or with the wrapper left around it and the loop calling the wrapper: DDP
@@ -66,6 +67,7 @@ def test_a_model_still_in_ddp_trains_as_diloco_with_a_line_saying_so(tmp_path, s
         assert len(said) == 1 and "keeps each rank's own" in said[0]
 
 
+@pytest.mark.process
 def test_torchrun_without_a_process_group_is_refused_on_every_rank(tmp_path):
     """Under torchrun (WORLD_SIZE=2) a loop that never called dist.init_process_group would train each rank alone as
     a one-worker DiLoCo; both ranks refuse."""
@@ -73,6 +75,7 @@ def test_torchrun_without_a_process_group_is_refused_on_every_rank(tmp_path):
         assert "the launcher started 2 ranks (WORLD_SIZE) but torch.distributed is not initialised" in rank["error"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("scenario", "counts"), [("uneven-7-6", "rank 0: 7, rank 1: 6"),
                                                   ("uneven-5-4", "rank 0: 5, rank 1: 4"),
                                                   ("uneven-8-7", "rank 0: 8, rank 1: 7"),
@@ -92,6 +95,7 @@ def test_ranks_that_took_different_numbers_of_steps_are_refused_on_every_rank(tm
         assert rank["group_after"] == 2.0
 
 
+@pytest.mark.process
 def test_a_grad_scaler_that_skips_a_step_on_one_rank_keeps_the_ranks_in_step(tmp_path):
     """The fp16 recipe: torch.amp.GradScaler skips optimizer.step() (and the optimizer's hooks) on the rank whose
     gradients overflowed. Inside `with diloco:` that rank fell a step behind and gloo aborted both; now finish()
@@ -126,6 +130,7 @@ def test_the_adaptive_batch_of_a_diloco_without_one_is_a_clear_error():
         diloco.batch.backward(lambda x: model(x).sum(), torch.ones(2, 4))
 
 
+@pytest.mark.process
 def test_a_forgotten_finish_is_said_when_the_object_goes_or_the_process_ends():
     """Without finish() each rank keeps its own drifted model, not θ: a warning when the DiLoCo object is collected,
     or at the process's exit; none after finish()."""
@@ -159,6 +164,7 @@ with DiLoCo(model, optimizer, sync_every=2) as diloco:
     assert "finish() was never called after 2 round(s)" in result.stderr
 
 
+@pytest.mark.process
 def test_a_setting_that_differs_between_ranks_is_named(tmp_path):
     """Rank 0 builds DiLoCo with sync_every=4, rank 1 with 8: both refuse, naming sync_every alone (not a list of
     every setting that might have differed)."""
@@ -197,6 +203,7 @@ def test_optimizer_steps_outside_diloco_are_warned_about_once():
         manual.finish()
 
 
+@pytest.mark.process
 def test_a_model_restored_before_diloco_is_built_is_refused_and_the_documented_order_resumes(tmp_path):
     """Restoring mid-round in the natural order (the model's state, then DiLoCo(...)) would train on from rank 0's
     model on every rank: refused on both ranks; the documented order (DiLoCo, then the model, optimizer and DiLoCo

@@ -198,6 +198,7 @@ def test_bad_fault_tolerance_settings_are_one_line_errors(overrides, fragment):
         build_config(overrides=["fault_tolerance.lighthouse=http://127.0.0.1:1", *overrides])
 
 
+@pytest.mark.process
 def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
     ft = {"lighthouse": "http://127.0.0.1:1", "replica": 0, "replicas": 2}
     model = torch.nn.Linear(2, 1)
@@ -221,6 +222,7 @@ def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
     assert bad.returncode == 2 and "not a port number" in bad.stderr.splitlines()[-1]
 
 
+@pytest.mark.process
 @needs_torchft
 def test_a_replica_of_adloco_train_that_finds_no_lighthouse_stops_with_one_line(tmp_path):
     """Nothing listens at the address: torchft gives up after its connect timeout, and the replica says so in one
@@ -287,6 +289,7 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.process
 @needs_torchft
 # DiLoCo's: test_replica_training's; AdLoCo's of one trainer: the trainers' after their merges, and adloco train's;
 # streaming's: adloco train's replicas of sharded workers (against the plain run, to the order of float additions);
@@ -323,6 +326,7 @@ def test_without_a_fault_replicas_end_on_the_bits_of_the_torchrun_loop(tmp_path,
     assert not _same(_theta(plain, 2), _theta(plain, 0))  # replica 2's trainer not yet merged into the others'
 
 
+@pytest.mark.process
 @needs_torchft
 # DiLoCo's: the frameworks' test; AdLoCo's of one trainer: the trainers' after their merges (b grows throughout);
 # eager outer updates: the sharded workers' below (stress tier); several trainers at a fixed H: adloco train's replicas

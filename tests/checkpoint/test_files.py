@@ -87,6 +87,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         train(other, resume=tmp_path / "a")
 
 
+@pytest.mark.process
 def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
     """A real process killed with SIGKILL mid-run; --resume must end exactly where an uninterrupted run ends."""
     overrides = [*FAST, "total_tokens=6144", "checkpoint.every=1", "checkpoint.keep=2", "threads=1"]

@@ -71,6 +71,7 @@ def test_sharded_workers_in_one_process_are_one_line_before_a_run_directory(tmp_
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.process
 def test_a_torchrun_job_the_ranks_cannot_hold_stops_with_one_line_per_rank(tmp_path):
     """Each rank that speaks says it, once, and exits 2 before a run directory is made (one refusal under torchrun
     stands for them all: check_world's others are checked in process above). The check runs before torch is

@@ -72,6 +72,7 @@ def _torchrun(ranks: int, args: list[str], cwd, timeout=240) -> subprocess.Compl
     return result
 
 
+@pytest.mark.process
 def test_diloco_two_ranks_of_two_slots_equal_one_rank_of_four(tmp_path):
     local = train(build_config(overrides=[*DILOCO, f"run.root={tmp_path}", "run.name=local"]))
     result = _torchrun(2, [*DILOCO, f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
@@ -84,6 +85,7 @@ def test_diloco_two_ranks_of_two_slots_equal_one_rank_of_four(tmp_path):
     assert [r["bytes"] for r in rounds] == [r["bytes"] for r in local_rounds]
 
 
+@pytest.mark.process
 def test_adloco_merges_hand_ranks_over_and_match_in_process(tmp_path):
     local = train(build_config(overrides=[*ADLOCO, f"run.root={tmp_path}", "run.name=local"]))
     _torchrun(
@@ -108,6 +110,7 @@ SHARDED = [*BASE, "method=adloco", "workers=2", "sync_every=4", "total_tokens=20
            "checkpoint.keep=10"]  # fmt: skip
 
 
+@pytest.mark.process
 def test_two_workers_of_two_shards_match_unsharded_workers_with_half_the_bytes_per_rank(tmp_path):
     """4 ranks, each worker's model sharded over 2 of them with FSDP2: the run of 2 unsharded workers, up to the
     order of float additions (the shards' partial gradients are summed); each rank exchanges only its rows. The
@@ -178,6 +181,7 @@ def _launch_two_ranks(tmp_path, name: str, timeout_s: int, method: list[str] | N
     return procs
 
 
+@pytest.mark.process
 def test_a_hung_rank_ends_the_job_within_the_timeout(tmp_path):
     """Rank 1 is frozen mid-run (SIGSTOP); rank 0 must give up after comm.timeout_s with a clear message."""
     procs = _launch_two_ranks(tmp_path, "hang", timeout_s=6)
@@ -199,6 +203,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(tmp_path):
             proc.communicate(timeout=30)
 
 
+@pytest.mark.process
 def test_a_killed_rank_ends_the_job(tmp_path):
     procs = _launch_two_ranks(tmp_path, "kill", timeout_s=20)
     try:
@@ -216,6 +221,7 @@ def test_a_killed_rank_ends_the_job(tmp_path):
             proc.communicate(timeout=30)
 
 
+@pytest.mark.process
 def test_streaming_with_a_codec_and_muon_matches_in_process(tmp_path):
     """One rank of 4 stacked workers against 2 ranks of 2: Muon steps each worker's matrices the same either way,
     and the top-k payloads (with their error feedback) gather to the same mean."""
@@ -226,6 +232,7 @@ def test_streaming_with_a_codec_and_muon_matches_in_process(tmp_path):
     assert same_params(final_params(local.run_dir), final_params(tmp_path / "dist"))
 
 
+@pytest.mark.process
 def test_allreduce_mode_agrees_with_the_exact_sum(tmp_path):
     """comm.reduce=allreduce pre-sums a rank's slots and all-reduces: same result up to summation order."""
     local = train(build_config(overrides=[*DILOCO, f"run.root={tmp_path}", "run.name=local"]))
@@ -238,6 +245,7 @@ def test_allreduce_mode_agrees_with_the_exact_sum(tmp_path):
     assert rounds[-1]["ranks"][0]["wire_bytes"] >= 2 * 4 * params
 
 
+@pytest.mark.process
 def test_eager_overlap_matches_in_process(tmp_path):
     """Eager updates keep an exchange in flight across a whole round: 2 ranks still give the in-process bits."""
     eager = [*DILOCO, "outer.overlap=eager"]
@@ -258,6 +266,7 @@ def _exchanges_per_round(tmp_path, name: str, overrides: list[str]) -> list[list
     return [[rank["exchanges"] for rank in r["ranks"]] for r in rounds[1:-1]]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("method", "per_round", "sync_every"),
     [
@@ -282,6 +291,7 @@ def test_ranks_meet_a_fixed_number_of_times_per_round_whatever_h(tmp_path, metho
         assert [r["sync_every"] for r in rounds[:4]] == [4, 16, 16, 16]
 
 
+@pytest.mark.process
 def test_ddp_meets_once_per_inner_step(tmp_path):
     rounds = _exchanges_per_round(
         tmp_path, "ddp", [*BASE, "method=ddp", "workers=2", "sync_every=4", "total_tokens=1024"]
@@ -294,6 +304,7 @@ def test_ddp_meets_once_per_inner_step(tmp_path):
 STOPPABLE = [*DILOCO, "workers=2", "total_tokens=8192", "checkpoint.every=1000"]
 
 
+@pytest.mark.process
 def test_sigterm_to_torchrun_stops_both_ranks_at_one_boundary_and_the_resume_is_bit_identical(tmp_path):
     """torchrun passes SIGTERM to its workers; they stop at the same round end, rank 0 checkpoints, and a
     resume gives the bits of a run never stopped (one that checkpointed every round on the time cadence)."""
@@ -326,6 +337,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_boundary_and_the_resume_is_
     assert same_params(final_params(reference), final_params(run_dir))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "method",
     [
@@ -357,6 +369,7 @@ ELASTIC = [*BASE, "method=diloco", "sync_every=2", "elastic=true", "checkpoint.e
 RESIZES = [(3, 384), (2, 640), (3, 1024)]
 
 
+@pytest.mark.process
 def test_an_elastic_job_goes_from_3_to_2_to_3_ranks_as_in_one_process(tmp_path):
     """Each torchrun launch resumes the run with another world size, as a restart after a machine left or joined
     does; the in-process run resized by ``workers=`` on resume (with single-file checkpoints) gives the same bits."""
@@ -385,6 +398,7 @@ def test_an_elastic_job_goes_from_3_to_2_to_3_ranks_as_in_one_process(tmp_path):
     assert [len(r["ranks"]) for r in rounds] == [3, 3, 2, 2, 3, 3]
 
 
+@pytest.mark.process
 def test_a_damaged_newest_sharded_checkpoint_is_said_once_on_the_console_and_the_one_before_used(tmp_path):
     """The job's sharded checkpoints: the newest loses DCP's .metadata; every rank falls back to the same older one
     and rank 0 says so on the terminal, naming the damage and the round it resumes from."""

@@ -63,6 +63,7 @@ def reference(tmp_path_factory):
     return train(build_config(overrides=[*RUN, f"run.root={root}"])).run_dir
 
 
+@pytest.mark.process
 def test_torchrun_restart_resumes_the_run_by_itself(tmp_path, reference):
     """Rank 0 is SIGKILLed mid-round 4 (after step 7 of 2-step rounds); torchrun restarts both ranks, which
     resume from round 3's checkpoint."""
@@ -120,6 +121,7 @@ def _train_attempt(overrides: list[str]):
     return train(build_config(overrides=overrides), comm=LocalCommunicator())
 
 
+@pytest.mark.training
 def test_restart_without_a_checkpoint_starts_over_in_the_same_directory(tmp_path, reference, torchrun_env):
     overrides = [*RUN, f"run.root={tmp_path}"]
     first = _train_attempt(overrides).run_dir
@@ -141,6 +143,7 @@ def test_restart_without_a_checkpoint_starts_over_in_the_same_directory(tmp_path
     assert "restart 1 of 2: the previous attempt left no checkpoint; starting" in (first / "train.log").read_text()
 
 
+@pytest.mark.training
 def test_restart_resumes_from_the_newest_checkpoint(tmp_path, reference, torchrun_env):
     overrides = [*RUN, f"run.root={tmp_path}", "checkpoint.keep=10"]
     first = _train_attempt(overrides).run_dir

@@ -14,6 +14,7 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("setting", "line"),
     [

@@ -32,6 +32,7 @@ def _refused(tmp_path, *overrides: str) -> str:
     return lines[0]
 
 
+@pytest.mark.process
 def test_each_bad_source_is_named_before_torch_loads(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "blob.txt").write_bytes(b"\x00\x01\x02" * 100)
@@ -57,6 +58,7 @@ def test_each_bad_source_is_named_before_torch_loads(tmp_path):
         assert expected in _refused(tmp_path, f"data.dataset={tmp_path / name}"), name
 
 
+@pytest.mark.process
 def test_bad_token_files_and_worlds_are_named_before_torch_loads(tmp_path):
     (tmp_path / "shards").mkdir()
     np.arange(1000, dtype=np.uint16).tofile(tmp_path / "shards" / "a.bin")
@@ -78,6 +80,7 @@ def test_token_files_shorter_than_a_context_and_what_is_left_to_the_corpus(tmp_p
     check_data(build_config(overrides=["data.dataset=hf:some/name"]).data, 64)  # the datasets library answers
 
 
+@pytest.mark.process
 def test_a_run_directory_that_cannot_be_made_or_resumed_is_named_before_torch_loads(tmp_path):
     (tmp_path / "a_file").write_text("not a folder")
     assert "run.root" in _refused(tmp_path, f"run.root={tmp_path / 'a_file' / 'runs'}")

@@ -75,6 +75,7 @@ def test_a_folder_prepares_into_shards_with_an_end_of_document_id_after_each_doc
     )
 
 
+@pytest.mark.process
 def test_the_output_does_not_depend_on_the_number_of_processes(tmp_path):
     source = _folder(tmp_path / "text", count=60)
     base = PrepareSettings(str(source), "bpe", vocab_size=300, shard_tokens=700, val_every=10, val_documents=2)
@@ -208,6 +209,7 @@ def test_an_output_folder_holding_something_else_is_refused(tmp_path):
         prepare(PrepareSettings(str(source), "byte", val_every=1), tmp_path / "y", QUIET)
 
 
+@pytest.mark.process
 def test_a_killed_prepare_resumes_by_redoing_only_its_torn_shard(tmp_path):
     source = tmp_path / "big.txt"
     rng = np.random.default_rng(1)
@@ -233,6 +235,7 @@ def test_a_killed_prepare_resumes_by_redoing_only_its_torn_shard(tmp_path):
     assert len(kept) >= 3  # the shards the manifest had recorded were not written again
 
 
+@pytest.mark.process
 def test_the_command_line_says_what_it_wrote_and_refuses_bad_input_with_one_line(tmp_path):
     source = _folder(tmp_path / "text", count=6)
     done = adloco_process("prepare", str(source), "--out", str(tmp_path / "out"), "--tokenizer", "byte",

@@ -13,6 +13,7 @@ from tests.data.helpers import write_jsonl, write_parquet
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
+@pytest.mark.training
 def test_streaming_bpe_run_resumes_bit_identically_without_retraining(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "d.jsonl", 120)
     overrides = [

@@ -35,6 +35,7 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("script", "framework"), [("hf_trainer_run.py", "trainer"), ("lightning_run.py", "lightning")])
 def test_a_framework_run_is_diloco_and_equals_the_plain_loop(tmp_path, script, framework):
     for mode in (framework, "loop"):
@@ -80,6 +81,7 @@ def test_a_framework_replica_is_one_plain_process(framework):
     check_replica_launch({"fault_tolerance": None}, 2, framework)  # not a replica: torchrun
 
 
+@pytest.mark.process
 @needs_torchft
 def test_framework_replicas_killed_mid_round_heal_and_follow_the_jobs_step_and_schedule(tmp_path):
     """Three replicas of one job: replica 0 an HF Trainer that survives; replica 1 a Lightning fit and replica 2 a

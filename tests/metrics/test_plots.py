@@ -44,6 +44,7 @@ def _write(run_dir, merges: bool, memory: bool, cuda: bool = False, lr_scale: bo
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
+@pytest.mark.training
 def test_plots_with_merges_and_memory(tmp_path):
     _write(tmp_path / "a", merges=True, memory=True)
     _write(tmp_path / "b", merges=False, memory=True)
@@ -63,6 +64,7 @@ def _width(png) -> int:
         return image.size[0]
 
 
+@pytest.mark.training
 def test_cuda_memory_gets_its_own_panel(tmp_path):
     _write(tmp_path / "cpu", merges=False, memory=True)
     _write(tmp_path / "gpu", merges=False, memory=True, cuda=True)

@@ -158,6 +158,7 @@ def test_fan_out_gives_records_a_step_and_drops_a_failing_tracker():
     assert fan.trackers == [] and bad.calls == [("closed", None)]  # the failed one was closed and dropped
 
 
+@pytest.mark.process
 def test_mlflow_tracker_logs_to_a_local_file_store(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")  # the [mlflow] extra; the file store needs no server or network
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())

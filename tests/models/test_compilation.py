@@ -27,6 +27,7 @@ def test_a_machine_that_cannot_compile_is_told_at_start_with_exit_2(monkeypatch,
     )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("batched", ["true", "false"])
 def test_compiled_steps_train_as_the_eager_ones_do(batched, fast_overrides, monkeypatch, tmp_path):
     """The stacked group's model (batched) or each worker's loss (one by one) runs compiled; the run ends

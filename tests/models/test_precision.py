@@ -52,6 +52,7 @@ def _train_recording_linear_dtypes(overrides: list[str], monkeypatch) -> tuple[o
         handle.remove()
 
 
+@pytest.mark.training
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("batched", ["true", "false"])
 def test_half_precisions_train_under_autocast_with_float32_weights(precision, batched, fast_overrides, monkeypatch):
@@ -94,6 +95,7 @@ def test_the_fp16_loss_scale_keeps_small_gradients_from_flushing_to_zero():
     assert error(scaled) < 0.01 and error(unscaled) > 0.5
 
 
+@pytest.mark.training
 def test_an_fp16_step_that_overflows_is_computed_again_with_half_the_scale():
     worker, retrier = _fp16_worker(), _fp16_worker()
     worker.loss_scale.scale = 2.0**40

@@ -52,6 +52,7 @@ def _rounds(root: Path, replica: int) -> list[dict]:
     return [r for r in read_metrics(path) if r["kind"] == "round"] if path.exists() else []
 
 
+@pytest.mark.process
 @needs_torchft
 @pytest.mark.parametrize(
     ("method", "rounds"),
@@ -95,6 +96,7 @@ def test_without_a_fault_replicas_of_adloco_train_end_on_the_bits_of_the_plain_r
             assert [x["batch"] for x in records] == [x["batch"] for x in plain_records if x["kind"] == "round"]
 
 
+@pytest.mark.process
 @needs_torchft
 def test_a_replica_of_adloco_train_killed_mid_run_is_left_out_and_started_again_heals(tmp_path):
     """AdLoCo (b from 1 to 2): the one started again reads on in its stream from where the job's step puts it,
@@ -138,6 +140,7 @@ def test_a_replica_of_adloco_train_killed_mid_run_is_left_out_and_started_again_
     assert {p.name for p in plot_run(root / "job" / "replica2")} == {"loss.png", "batch.png"}
 
 
+@pytest.mark.process
 @needs_torchft
 def test_replicas_of_adloco_train_all_killed_go_on_from_their_checkpoints_to_the_plain_runs_bits(tmp_path):
     """Both replicas SIGKILLed a round or two past their checkpoint of round 4 (of 16) and started again with the
@@ -195,6 +198,7 @@ def _sharded_replica(root: Path, lighthouse: str, replica: int, tokens: int, *ex
                             cwd=root.parent)  # fmt: skip
 
 
+@pytest.mark.process
 @needs_torchft
 def test_replicas_of_sharded_workers_all_killed_go_on_from_every_shards_checkpoint_to_the_plain_runs_theta(tmp_path):
     """2 replicas, each a streaming worker (2 fragments) sharded over the 2 ranks of its own torchrun job, killed
@@ -238,6 +242,7 @@ def test_replicas_of_sharded_workers_all_killed_go_on_from_every_shards_checkpoi
         assert not second_life["healed"] and second_life["committed"] and "process_seconds" in second_life
 
 
+@pytest.mark.process
 @needs_torchft
 def test_a_replica_whose_checkpoint_is_another_models_stops_with_one_line(tmp_path):
     """Its checkpoint is read before it asks for a quorum: a wrong one is bad input (exit 2), named by folder."""
@@ -251,6 +256,7 @@ def test_a_replica_whose_checkpoint_is_another_models_stops_with_one_line(tmp_pa
     assert len(err.strip().splitlines()) == 1 and "another model's" in err and str(folder) in err
 
 
+@pytest.mark.process
 @needs_torchft
 # DiLoCo's rounds: the streaming case's, with fragments; AdLoCo chooses b and H together (on pinned costs)
 @pytest.mark.parametrize("method", [["method=adloco", "batch.size=1", "batch.b_cap=8", *PINNED_PACE,

@@ -57,6 +57,7 @@ def root(tmp_path_factory):
     return root
 
 
+@pytest.mark.process
 def test_status_of_each_run(root):
     runs = {run.name: run for run in find_runs(root)}
     assert set(runs) == {"done", "stopped", "running", "failed", "damaged"}
@@ -83,6 +84,7 @@ def test_a_stopped_run_that_resumes_is_no_longer_failed(tmp_path):
     assert not (tmp_path / FAILED_FILE).exists() and not (tmp_path / RUNNING_FILE).exists()
 
 
+@pytest.mark.process
 def test_cli_table_and_json(root, capsys):
     assert main(["runs", str(root)]) == 0
     table = capsys.readouterr().out
@@ -105,11 +107,13 @@ def test_bad_root_is_a_one_line_error(tmp_path, capsys):
     assert main(["runs", str(tmp_path)]) == 0 and "no runs" in capsys.readouterr().out
 
 
+@pytest.mark.process
 def test_a_run_directory_given_as_root_lists_itself(root):
     (run,) = find_runs(root / "done")
     assert run == summarize_run(root / "done")
 
 
+@pytest.mark.process
 def test_a_run_with_damaged_metrics_says_so(root, tmp_path, capsys):
     garbled = tmp_path / "garbled"
     shutil.copytree(root / "stopped", garbled)

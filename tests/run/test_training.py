@@ -58,6 +58,7 @@ def test_same_seed_same_numbers_and_other_seed_differs(fast_overrides):
     assert not all(torch.equal(pa[k], pc[k]) for k in pa)
 
 
+@pytest.mark.training
 @pytest.mark.parametrize(
     "method",
     [
@@ -123,6 +124,7 @@ def test_one_worker_diloco_localsgd_is_plain_adamw(fast_overrides):
     assert all(torch.allclose(pa[k], pb[k], atol=1e-6) for k in pa)
 
 
+@pytest.mark.training
 def test_adloco_grows_batches_and_merges_down_to_one_trainer(fast_overrides):
     overrides = [
         *fast_overrides,
@@ -152,6 +154,7 @@ def test_adloco_grows_batches_and_merges_down_to_one_trainer(fast_overrides):
     assert all(r["plan"] for r in rounds)
 
 
+@pytest.mark.training
 def test_the_time_aware_controller_grows_b_towards_the_fastest_batch_at_most_2x_per_decision(fast_overrides):
     overrides = [*fast_overrides, "method=adloco", "trainers=1", "workers=2", "batch.size=1", "batch.b_cap=64"]
     result = train(build_config(overrides=[*overrides, *PINNED_PACE, "sync_every=2", "total_tokens=6144"]))
@@ -167,6 +170,7 @@ def test_the_time_aware_controller_grows_b_towards_the_fastest_batch_at_most_2x_
     assert sizes[:2] == [1, 2]
 
 
+@pytest.mark.training
 def test_keep_round_time_takes_fewer_inner_steps_per_round_as_b_grows(fast_overrides):
     overrides = [*fast_overrides, "method=adloco", "trainers=1", "workers=2", "batch.size=1", "batch.b_cap=64"]
     settings = [*PINNED_PACE, "sync_every=8", "total_tokens=8192", "batch.time.keep_round_time=true"]
@@ -178,6 +182,7 @@ def test_keep_round_time_takes_fewer_inner_steps_per_round_as_b_grows(fast_overr
     assert rounds[-1]["steps"] <= expected[-1] and max(b_at_start) >= 4 and rounds[0]["steps"] == 8
 
 
+@pytest.mark.training
 def test_measured_costs_feed_the_time_aware_controller(fast_overrides):
     overrides = [*fast_overrides, "method=adloco", "trainers=1", "workers=2", "batch.time.min_steps_left=1"]
     result = train(build_config(overrides=[*overrides, "sync_every=2", "total_tokens=2048"]))
@@ -187,6 +192,7 @@ def test_measured_costs_feed_the_time_aware_controller(fast_overrides):
     assert timed[0]["round_seconds"] == 0 < timed[-1]["round_seconds"]  # learnt from the rounds' overhead
 
 
+@pytest.mark.training
 @pytest.mark.parametrize(
     "variant",
     [
@@ -232,6 +238,7 @@ def test_every_round_reports_its_mfu_against_the_given_peak(fast_overrides):
     assert first["mfu"] == pytest.approx(expected, rel=1e-3)
 
 
+@pytest.mark.process
 def test_mfu_asked_for_on_a_device_of_unknown_peak_is_refused_before_training(tmp_path):
     from tests.conftest import adloco_process
 

@@ -49,6 +49,7 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.training
 def test_json_and_text_output_on_a_real_run(run_dir, capsys):
     losses = _losses(run_dir)
     assert len(losses) == ROUNDS

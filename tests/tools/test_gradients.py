@@ -32,6 +32,7 @@ def report(run_dir):
     return analyze(run_dir, samples=SAMPLES, batch_sizes=BATCHES, repeats=4000, seed=3, threads=1)
 
 
+@pytest.mark.training
 def test_report_is_consistent(run_dir, report):
     saved = json.loads((run_dir / "gradients" / "report.json").read_text())
     assert (
@@ -72,6 +73,7 @@ def test_batch_tests_and_run_batch(report):
     assert report["run_batch"] == 2  # FAST: batch.size=2, constant b for DiLoCo
 
 
+@pytest.mark.training
 def test_checkpoint_of_the_same_trainer_gives_the_same_numbers(run_dir, report, tmp_path):
     other = analyze(
         run_dir,
@@ -151,6 +153,7 @@ def test_cli_prints_tables(run_dir, tmp_path, capsys):
     assert [row["batch"] for row in saved["batch_sizes"]] == [2, 4] and math.isfinite(saved["noise_scale"])
 
 
+@pytest.mark.training
 def test_a_sharded_checkpoint_reads_as_the_single_file_one(run_dir, report, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)

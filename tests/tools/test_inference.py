@@ -17,6 +17,7 @@ def finished_run(tmp_path_factory):
     return train(build_config(overrides=overrides))
 
 
+@pytest.mark.training
 def test_eval_reproduces_the_final_validation_loss(finished_run):
     loss, tokens = evaluate_run(finished_run.run_dir)
     assert loss == finished_run.val_loss

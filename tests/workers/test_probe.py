@@ -50,6 +50,7 @@ def test_probe_does_not_swallow_other_errors():
         probe_b_max(step, memory, 100, upper=8)
 
 
+@pytest.mark.training
 def test_real_step_on_process_memory_grows_with_batch():
     """The real meter sees a bigger peak for a bigger batch of a real model's step."""
     model = build_model(preset_config("tiny", 256), 0)
@@ -66,6 +67,7 @@ def test_real_step_on_process_memory_grows_with_batch():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # scratch copy only
 
 
+@pytest.mark.training
 def test_cpu_budget_probe_through_the_config(tmp_path):
     from adloco.cluster.cluster import resolve_b_max
     from adloco.config import ConfigError, build_config

@@ -68,6 +68,7 @@ def byte_rows(texts: list[str], context: int) -> tuple[torch.Tensor, torch.Tenso
     return ids, mask
 
 
+@pytest.mark.training
 @pytest.mark.parametrize(("method", "tokens"), [("diloco", 6400), ("ddp", 6400)])
 def test_training_learns_the_keyword_and_exports_a_sequence_classifier(tmp_path, reviews, capsys, method, tokens):
     from transformers import AutoModelForSequenceClassification
@@ -137,6 +138,7 @@ def test_every_other_method_trains_a_classifier(tmp_path, reviews, method):
         assert any(r["kind"] == "merge" for r in records) and len(records[-1]["accuracy"]) == 1
 
 
+@pytest.mark.training
 def test_resuming_a_classification_run_is_bit_identical(tmp_path, reviews):
     config = build_config(
         overrides=overrides(tmp_path, reviews[0], "total_tokens=2048", "checkpoint.every=1", "checkpoint.keep=100")

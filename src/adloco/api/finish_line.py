@@ -78,8 +78,11 @@ class WatchedCommunicator(DistributedCommunicator):
         key = ",".join(str(w) for w in sorted(workers))
         seq = self.issued.get(key, 0)
         self.issued[key] = seq + 1
-        self.pending[(key, seq)] = (key, seq, kind, list(tensor.shape), str(tensor.dtype).removeprefix("torch."))
-        future.add_done_callback(lambda _: self.pending.pop((key, seq), None))  # on gloo's thread: one dict op
+        pending = self.pending
+        pending[(key, seq)] = (key, seq, kind, list(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+        # runs on gloo's thread, which may drop the callback last: it holds the dict alone, never this object (and
+        # through it a group handle whose destructor would join the thread it runs on)
+        future.add_done_callback(lambda _: pending.pop((key, seq), None))
         return future
 
     def wait(self, future: Future) -> Any:

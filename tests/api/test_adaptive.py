@@ -162,8 +162,9 @@ def test_a_worker_absent_from_the_round_counts_no_samples_and_no_statistics():
     absent = WorkerRound.from_tensor(absent_report(WorkerRound(steps=[]).to_tensor().numel()))
     assert absent.absent and absent.out and not WorkerRound(out=True).absent  # out of the round is not absent
     state = RoundState(index=1, steps=2, first_step=2, statistics_due=False, reports={0: absent})
-    diloco.batch.account(state, steps=2)
+    diloco.batch.round_steps = 2  # the round's steps, as stamp() sets them at its end
+    diloco.batch.learn(state)
     assert diloco.batch.samples_done == 0
     state.reports = {0: WorkerRound()}
-    diloco.batch.account(state, steps=2)
+    diloco.batch.learn(state)
     assert diloco.batch.samples_done == 2 * 3

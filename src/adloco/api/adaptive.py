@@ -226,7 +226,9 @@ class AdaptiveBatch:
         self.statistics = None
 
     def stamp(self, state: RoundState, rank: int, steps: int) -> None:
-        """This worker's timings into its round report (a time-aware controller's measured costs)."""
+        """The round ends after ``steps`` inner steps: this worker's timings into its round report (a time-aware
+        controller's measured costs)."""
+        self.round_steps = steps
         record = state.local[rank]
         step_seconds = self.compute_seconds / max(steps, 1)
         overhead = max(0.0, time.perf_counter() - self._round_started - self.compute_seconds)
@@ -234,9 +236,10 @@ class AdaptiveBatch:
             step_seconds, overhead = (t / self.shards.count for t in self.shards.sum([step_seconds, overhead]))
         record.step_seconds, record.overhead_seconds = step_seconds, overhead
 
-    def after_round(self, state: RoundState, steps: int, trainers: Sequence[Trainer]) -> None:
+    def decide(self, state: RoundState, trainers: Sequence[Trainer]) -> None:
         """The round's end (the reports of the ``trainers`` taking part here in): each decides its next batch, alike
         on every rank of it (every trainer on a fault-tolerant replica, which holds every trainer's reports)."""
+        steps = self.round_steps
         reports = {w: state.reports[w] for t in trainers for w in t.worker_ids}
         if self.costs is None and self.config.controller == "time":
             samples = {w: self.plans[t.trainer_id].samples for t in trainers for w in t.worker_ids}
@@ -256,12 +259,8 @@ class AdaptiveBatch:
         rounds = self.rounds
         pace = pace_for(self.config, self.costs, trainer.worker_ids, rounds.length, left, 1, self.total_workers)
         if pace is not None and rounds.auto is not None:
-            pace.per_step = rounds.auto.planner(pace.round_seconds, rounds.ratio(self.lr()))
+            pace.per_step = rounds.auto.planner(pace.round_seconds, rounds.ratio(rounds.lr()))
         return pace
-
-    def lr(self) -> float:
-        """The inner optimizer's lr (its first group's), as the loop's schedule set it."""
-        return float(self.optimizer.param_groups[0]["lr"])
 
     def pinned_seconds(self) -> tuple[float, float] | None:
         """(t, c) as ``batch.time.step_seconds`` and ``round_seconds`` pin them, both given (one worker a rank),
@@ -271,9 +270,10 @@ class AdaptiveBatch:
         samples = {w: plans[k].samples for k, t in self.trainers.items() for w in t.worker_ids}
         return pinned_seconds(self.costs, samples, {w: w for w in samples})
 
-    def account(self, state: RoundState, steps: int) -> None:
+    def learn(self, state: RoundState) -> None:
         """After every trainer's reports reached every rank: the samples the round read (the budget) and the
         costs they measured."""
+        steps = self.round_steps
         for k, t in self.trainers.items():  # as the plans say, so every rank counts alike; an absent worker read none
             extra = max(self.plans[k].samples, 2) - self.plans[k].samples if state.statistics_due and steps else 0
             present = sum(not state.reports[w].absent for w in t.worker_ids)

@@ -11,6 +11,7 @@ import math
 import warnings
 import weakref
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,11 +34,12 @@ from adloco.api.ddp import local_model
 from adloco.api.finish_line import FinishLine, WatchedCommunicator
 from adloco.api.loop_state import LoopState
 from adloco.api.replica import Replica
-from adloco.api.rounds import LoopRounds
+from adloco.api.rounds import LoopRounds, first_group_lr
 from adloco.api.worker import LoopWorker, WorkerShards, finite, gradient_divisor, worker_shards
 from adloco.batch.policy import TrainerBatch
 from adloco.cluster.placement import placement
-from adloco.cluster.trainers import MergeEvent, maybe_merge, synchronize
+from adloco.cluster.round_end import RoundEnd
+from adloco.cluster.trainers import MergeEvent, maybe_merge
 from adloco.comm.base import Communicator
 from adloco.comm.launcher import world_size_from_env
 from adloco.comm.local import LocalCommunicator
@@ -126,7 +128,7 @@ class DiLoCo(LoopState):
         check_layout(trainers, self.shards, process_group)  # before anything connects
         self._connect(method, sync_every, sections, trainers, process_group)
         # their count and H (sync_every="auto": chosen at each round's end)
-        self.rounds = LoopRounds(self.config, self.shards)
+        self.rounds = LoopRounds(self.config, partial(first_group_lr, optimizer), self.shards)
         self.check_finite = check_finite  # off where a loss scaler already keeps overflowing steps out
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.comm.set_placement({w: w for w in range(self.world_size)})
@@ -141,6 +143,9 @@ class DiLoCo(LoopState):
             divisor = 1.0 if self.shards is None else gradient_divisor(model, self.shards)
             self._batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.trainers, self.rank,
                                        self.rounds, total_samples, self.shards, divisor)  # fmt: skip
+        shard_sum = None if self.shards is None else self.shards.sum
+        restart = partial(_restart_if_out, optimizer, self.rank)  # nothing in it refers back to this object
+        self._round_end = RoundEnd(self.sync, self.comm, self.trainers, restart, shard_sum)
         self.inner_step = 0  # inner steps taken since the start, over every round
         self._state = self._new_round()
         self._hooks: list[Any] = []
@@ -301,15 +306,9 @@ class DiLoCo(LoopState):
                 self._unmeasured()
             self._batch.stamp(state, self.rank, steps)
         self.rounds.stamp(record, steps)
-        self.rounds.exchange(self.sync, state)
-        if self._batch is not None:
-            self._batch.after_round(state, steps, self.sync.taking_part())
-        self._across_trainers(state, steps)
-        pinned = None if self._batch is None else self._batch.pinned_seconds()
-        self.rounds.end(state, self.trainers.values(), float(self.optimizer.param_groups[0]["lr"]), pinned)
+        self._round_end(state, self._batch, self.rounds)
+        self.rounds.exchange_seconds = self._round_end.exchange_seconds
         self._merge_if_due(state)  # after H is chosen, as adloco train's merges
-        if record.out:
-            self.optimizer.state.clear()  # it restarts from θ (the strategy saw to that); its moments may hold NaN
         self.last_round = state
         self._state = self._new_round()
         if self.replica is not None:
@@ -345,14 +344,6 @@ class DiLoCo(LoopState):
         assert self.replica is not None
         self.replica.start_round()
         self.replica.history[-1].sync_every = self.rounds.length
-
-    def _across_trainers(self, state: RoundState, steps: int) -> None:
-        """Every trainer's state and reports to every rank (several trainers: each rank runs one) and the round's
-        samples counted."""
-        if len(self.trainers) > 1:
-            synchronize(self.comm, self.trainers, state)
-        if self._batch is not None:
-            self._batch.account(state, steps)
 
     def _merge_if_due(self, state: RoundState) -> None:
         """AdLoCo's merge of several trainers when one is due (``merge.every`` rounds)."""
@@ -420,6 +411,13 @@ class DiLoCo(LoopState):
     def theta(self) -> list[torch.Tensor]:
         """The global parameters θ (the model itself drifts from them within a round)."""
         return self.trainer.theta
+
+
+def _restart_if_out(optimizer: torch.optim.Optimizer, rank: int, state: RoundState) -> None:
+    """A worker out of the round restarts from θ (the strategy saw to that) with fresh optimizer moments: its
+    own may hold NaN."""
+    if state.local[rank].out:
+        optimizer.state.clear()
 
 
 def _communicator(process_group: Any, device: torch.device) -> tuple[Communicator, FinishLine | None]:

@@ -1,20 +1,23 @@
 """How long a user's loop's rounds are: H fixed, or chosen at each round's end (``sync_every="auto"``) from the
 loop's own timings and the workers' dispersion, which every rank learns from the round's reports. The shards of a
-worker sharded over several ranks each exchange their own rows with their own reports: they sum their parts of the
-dispersion's norms and take the largest times over the worker's shard group, so every shard decides the same H."""
+worker sharded over several ranks each exchange their own rows with their own reports: they take the largest times
+over the worker's shard group (the round's end sums their parts of the dispersion), so every shard decides the same
+H."""
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from adloco.algorithms.sync_every import SyncDecision, dispersion
+import torch
+
+from adloco.algorithms.sync_every import SyncDecision
 from adloco.api.worker import WorkerShards
 from adloco.cluster.batches import auto_sync_every, busiest_rank, next_sync_every
 from adloco.config import TrainConfig
-from adloco.sync import RoundState, SyncStrategy, WorkerRound
+from adloco.sync import RoundState, WorkerRound
 from adloco.sync.trainer import Trainer
 from adloco.workers.reports import exchange_time
 
@@ -22,8 +25,9 @@ from adloco.workers.reports import exchange_time
 class LoopRounds:
     """The rounds of a loop: their count, the H of the one in progress and the timings that choose the next."""
 
-    def __init__(self, config: TrainConfig, shards: WorkerShards | None = None) -> None:
+    def __init__(self, config: TrainConfig, lr: Callable[[], float], shards: WorkerShards | None = None) -> None:
         self.fixed = config.first_sync_every
+        self.lr = lr  # the inner optimizer's lr as the loop's schedule set it (the coming round's)
         self.shards = shards  # a sharded worker's shards decide (and record) from the whole worker's figures
         self.auto = auto_sync_every(config)  # None: H stays fixed
         self.count = 0  # rounds ended since the start
@@ -51,48 +55,27 @@ class LoopRounds:
         if math.isnan(record.overhead_seconds) or self.auto is not None:
             record.overhead_seconds = self.exchange_seconds
 
-    def exchange(self, sync: SyncStrategy, state: RoundState) -> None:
-        """The round boundary's exchanges, timed, and the dispersion of the workers of every trainer taking part
-        here (every trainer on a fault-tolerant replica; the others' arrive with their state under torchrun)."""
-        boundary = time.perf_counter()
-        sync.end_of_round(state)
-        self.exchange_seconds = time.perf_counter() - boundary
-        for trainer in sync.taking_part():
-            drift = sync.take_drift(trainer.trainer_id)
-            worker_sq, mean_sq = self._whole_worker(drift.worker_sq, drift.mean_sq)
-            trainer.dispersion = dispersion(worker_sq, mean_sq, state.weights)
-
-    def _whole_worker(self, worker_sq: dict[int, float], mean_sq: float) -> tuple[dict[int, float], float]:
-        """The dispersion's squared norms over every shard of the workers (a shard holds some of their rows)."""
-        if self.shards is None:
-            return worker_sq, mean_sq
-        workers = sorted(worker_sq)
-        parts = self.shards.sum([*(worker_sq[w] for w in workers), mean_sq])
-        return dict(zip(workers, parts[:-1], strict=True)), parts[-1]
-
     def ratio(self, lr: float) -> float:
         """The inner lr ``lr`` over the highest it has had (``lr_ratio`` where the loop gives it)."""
         peak = max(self.peak_lr, lr)
         return self.lr_ratio if self.lr_ratio is not None else (lr / peak if peak > 0 else 1.0)
 
-    def end(
-        self,
-        state: RoundState,
-        trainers: Iterable[Trainer],
-        lr: float,
-        pinned: tuple[float, float] | None = None,
-    ) -> None:
+    def choose(
+        self, state: RoundState, trainers: Iterable[Trainer], pinned: tuple[float, float] | None = None
+    ) -> SyncDecision:
         """Once every trainer's reports and dispersion reached every rank: the next round's H, at the inner
-        learning rate ``lr`` the loop's optimizer now has; ``pinned``: (t, c) as the batch's pinned costs give
-        them, instead of the reports' (AdLoCo on pinned costs, as adloco train)."""
+        learning rate the loop's optimizer now has; ``pinned``: (t, c) as the batch's pinned costs give them,
+        instead of the reports' (AdLoCo on pinned costs, as adloco train)."""
         ranks = {w: w for w in state.reports}  # one worker per rank
         if self.shards is not None and pinned is None:  # the slowest shard's step and exchange, on every shard
             step = busiest_rank({w: r.step_seconds for w, r in state.reports.items()}, ranks)
             pinned = tuple(self.shards.largest([step, exchange_time(state.reports.values())]))
+        lr = self.lr()
         ratio = self.ratio(lr)
         self.peak_lr = max(self.peak_lr, lr)
         self.last = next_sync_every(self.auto, self.length, state, ranks, trainers, ratio, pinned)
         self.count += 1
+        return self.last
 
     def state_dict(self) -> dict[str, Any]:
         auto = None if self.auto is None else self.auto.state_dict()
@@ -103,3 +86,8 @@ class LoopRounds:
         self.peak_lr = float(state["peak_lr"])
         if self.auto is not None:
             self.auto.load_state_dict(state["sync_every"])
+
+
+def first_group_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The inner optimizer's lr (its first group's), as the loop's schedule set it."""
+    return float(optimizer.param_groups[0]["lr"])

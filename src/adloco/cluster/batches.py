@@ -6,7 +6,7 @@ Every rank holds the same trainers, b_max table and costs, so every rank plans a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from adloco.algorithms.shares import balanced_split, sample_weights
@@ -31,17 +31,25 @@ class RoundBatches:
         self,
         batch: BatchConfig,
         trainers: Mapping[int, Trainer],
-        b_max: Mapping[int, int],
+        b_max: dict[int, int],
         costs: CostModel | None,
         shape: tuple[int, int, int],
         collect_statistics: bool,
+        worker_rank: Mapping[int, int],
+        cross_worker: Callable[[Trainer], GradientStatistics],
         auto: AutoSyncEvery | None = None,
     ) -> None:
         self.batch, self.trainers, self.b_max, self.costs = batch, trainers, b_max, costs
         self.total_workers, self.sync_every, self.context = shape  # (workers, H, tokens per sample)
         self.collect_statistics = collect_statistics
+        self.worker_rank = worker_rank  # where each worker's steps run: a rank's hosted workers take turns
+        self.cross_worker = cross_worker  # a trainer's statistics from its workers' Δ (estimator cross_worker)
         self.auto = auto  # sync_every=auto: H chosen at each round's end
-        self.lr_ratio = 1.0  # the inner lr of the coming round over its peak (set by the cluster at each boundary)
+        # set by the cluster as a round starts: the round's plan (samples per step of each worker), the inner lr of
+        # the coming round over its peak, and the token budget left after the round
+        self.round_samples: dict[int, int] = {}
+        self.lr_ratio = 1.0
+        self.tokens_left: int | None = None
 
     def worker_plan(self, worker_id: int, b_req: int) -> MicroBatchPlan:
         return plan_micro_batches(b_req, self.b_max[worker_id], self.batch.memory.switch_factor)
@@ -90,23 +98,23 @@ class RoundBatches:
     def statistics_due(self, round_index: int) -> bool:
         return self.collect_statistics and round_index % self.batch.statistics.every == 0
 
-    def decide(
-        self,
-        state: RoundState,
-        taking_part: Iterable[Trainer],
-        cross_worker: Callable[[Trainer], GradientStatistics],
-        tokens_left: int | None = None,
-    ) -> None:
+    def decide(self, state: RoundState, trainers: Sequence[Trainer]) -> None:
         """The batch test of each trainer this rank takes part in, from the statistics in the round's reports."""
         if not state.statistics_due:
             return
-        for trainer in taking_part:
+        for trainer in trainers:
             reports = [state.reports[w] for w in trainer.worker_ids]
             if self.batch.statistics.estimator != "cross_worker":
-                trainer.batch.decide_from_reports(reports, self.pace(trainer, tokens_left))
+                trainer.batch.decide_from_reports(reports, self.pace(trainer, self.tokens_left))
             elif not any(r.out for r in reports):  # a partial measurement is not a measurement
-                statistics = cross_worker(trainer)
-                trainer.batch.decide(statistics, len(reports), self.pace(trainer, tokens_left))
+                statistics = self.cross_worker(trainer)
+                trainer.batch.decide(statistics, len(reports), self.pace(trainer, self.tokens_left))
+
+    def learn(self, state: RoundState) -> None:
+        """Every rank holds every report: the same step costs and b_max table everywhere."""
+        if self.costs is not None:
+            self.costs.learn(state.reports, self.round_samples)
+        self.b_max.update({w: r.b_max for w, r in state.reports.items()})
 
     def pace(self, trainer: Trainer, tokens_left: int | None) -> Pace | None:
         """What a time-aware decision weighs; H as it stands now: trainers decided earlier count with their new b.
@@ -117,15 +125,17 @@ class RoundBatches:
             pace.per_step = self.auto.planner(pace.round_seconds, self.lr_ratio)
         return pace
 
-    def decide_sync_every(self, state: RoundState, worker_rank: Mapping[int, int]) -> SyncDecision:
+    def choose(
+        self, state: RoundState, trainers: Iterable[Trainer], pinned: tuple[float, float] | None
+    ) -> SyncDecision:
         """The next round's H from every worker's report (the same on every rank); a fixed H is kept, with the
         same figures recorded."""
-        return next_sync_every(self.auto, self.inner_steps_per_round(), state, worker_rank, self.trainers.values(),
-                               self.lr_ratio, self.pinned_seconds(worker_rank))  # fmt: skip
+        return next_sync_every(self.auto, self.inner_steps_per_round(), state, self.worker_rank, trainers,
+                               self.lr_ratio, pinned)  # fmt: skip
 
-    def pinned_seconds(self, worker_rank: Mapping[int, int]) -> tuple[float, float] | None:
+    def pinned_seconds(self) -> tuple[float, float] | None:
         """(t, c) as ``batch.time.step_seconds`` and ``round_seconds`` pin them (``pinned_seconds``)."""
-        return pinned_seconds(self.costs, self.samples_per_step(), worker_rank)
+        return pinned_seconds(self.costs, self.samples_per_step(), self.worker_rank)
 
 
 def pinned_seconds(

@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -16,13 +17,14 @@ from adloco.algorithms.controller import StepCost
 from adloco.algorithms.schedules import inner_lr
 from adloco.algorithms.sharding import local_shard
 from adloco.algorithms.switch import MicroBatchPlan
-from adloco.algorithms.sync_every import SyncDecision, dispersion
+from adloco.algorithms.sync_every import SyncDecision
 from adloco.batch.pace import CostModel, pinned_costs, time_steps, timed_batches
 from adloco.batch.policy import TrainerBatch
 from adloco.cluster import state as cluster_state
 from adloco.cluster import trainers as trainer_sync
 from adloco.cluster.batches import RoundBatches, auto_sync_every
 from adloco.cluster.placement import placement, rank_placement
+from adloco.cluster.round_end import RoundEnd, ShardSum
 from adloco.cluster.trainers import MergeEvent
 from adloco.comm.base import Communicator
 from adloco.config import ConfigError, TrainConfig
@@ -148,8 +150,10 @@ class Cluster:
         timed = config.batch.controller == "time" or config.batch.shares == "speed"
         self.costs = self._cost_model(template) if timed else pinned_costs(config.batch.time, self.worker_rank)
         shape = (config.total_workers, config.first_sync_every, self.context)
-        self.batches = RoundBatches(config.batch, self.trainers, self.b_max, self.costs, shape,
-                                    self.collect_statistics, auto_sync_every(config))  # fmt: skip
+        cross_worker = partial(_cross_worker, comm, self.workers)
+        self.batches = RoundBatches(config.batch, self.trainers, self.b_max, self.costs, shape, self.collect_statistics,
+                                    self.worker_rank, cross_worker, auto_sync_every(config))  # fmt: skip
+        self.round_end = RoundEnd(self.sync, comm, self.trainers, partial(_restart, self.workers), _shard_sum(comm))
         self.overhead_seconds = math.nan  # this rank's last round: wall time not spent computing steps
         # and its time between rounds before that one (evaluation, records: a peer waits for it at the exchange)
         self.between_seconds, self.ended = math.nan, math.nan
@@ -252,9 +256,6 @@ class Cluster:
     def inner_steps_per_round(self) -> int:
         return self.batches.inner_steps_per_round()
 
-    def _cross_worker_statistics(self, trainer: Trainer) -> GradientStatistics:
-        return trainer.cross_worker_statistics(self.comm, self.workers)
-
     def run_round(
         self,
         round_index: int,
@@ -304,31 +305,12 @@ class Cluster:
         return report
 
     def _boundary(self, state: RoundState, round_samples: dict[int, int], tokens_left: int | None) -> SyncDecision:
-        """The round boundary: exchanges and outer steps, the workers' dispersion, batch decisions, every trainer's
-        state on every rank, the costs learned and the next round's H."""
-        self.sync.end_of_round(state)
-        for worker_id in state.out:
-            self.workers[worker_id].reset_optimizer()  # restarts from θ with fresh AdamW moments
-        for trainer in self.sync.taking_part():
-            trainer.dispersion = dispersion(*self._drift_of_every_shard(trainer), state.weights)
+        """The round boundary (``RoundEnd``): exchanges and outer steps, the workers' dispersion, batch decisions,
+        every trainer's state on every rank, the costs learned and the next round's H."""
+        self.batches.round_samples = round_samples
         self.batches.lr_ratio = lr_ratio(self.config, state.first_step + state.steps, tokens_left)
-        self.batches.decide(state, self.sync.taking_part(), self._cross_worker_statistics, tokens_left)
-        self.synchronize(state)
-        if self.costs is not None:  # after synchronize every rank holds every report: the same costs everywhere
-            self.costs.learn(state.reports, round_samples)
-        self.b_max.update({w: r.b_max for w, r in state.reports.items()})
-        return self.batches.decide_sync_every(state, self.worker_rank)
-
-    def _drift_of_every_shard(self, trainer: Trainer) -> tuple[dict[int, float], float]:
-        """The trainer's drift in the round's exchanges; a sharded worker's summed over its shards."""
-        drift = self.sync.take_drift(trainer.trainer_id)
-        if self.comm.shards == 1:
-            return drift.worker_sq, drift.mean_sq
-        ids = sorted(drift.worker_sq)
-        summed = self.comm.sum_over_shards(
-            torch.tensor([drift.mean_sq] + [drift.worker_sq[w] for w in ids], dtype=torch.float64)
-        ).tolist()
-        return dict(zip(ids, summed[1:], strict=True)), summed[0]
+        self.batches.tokens_left = tokens_left
+        return self.round_end(state, self.batches, self.batches)
 
     # A sharded worker's ranks are in different shard groups, each with its own round exchange: whatever a rank
     # measures by itself (signals, clocks) is made the same on all shards first, or the groups would decide apart.
@@ -428,6 +410,22 @@ def shard_view(comm: Communicator, shards: int) -> Communicator:
         return comm.shard_view(shards)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def _restart(workers: dict[int, Worker], state: RoundState) -> None:
+    for worker_id in state.out:
+        workers[worker_id].reset_optimizer()  # restarts from θ with fresh AdamW moments
+
+
+def _cross_worker(comm: Communicator, workers: dict[int, Worker], trainer: Trainer) -> GradientStatistics:
+    return trainer.cross_worker_statistics(comm, workers)
+
+
+def _shard_sum(comm: Communicator) -> ShardSum | None:
+    """Sums over the ranks that hold the other shards of this rank's workers (None: the workers are whole)."""
+    if comm.shards == 1:
+        return None
+    return lambda values: comm.sum_over_shards(torch.tensor(list(values), dtype=torch.float64)).tolist()
 
 
 def _local_loss(state: RoundState, step: int) -> float:

@@ -187,16 +187,16 @@ class AdaptiveBatch:
         rows = [local_rows(p) for p in self.params]
         grouped = GroupedGradient(sizes, sum(r.numel() for r in rows), gram, rows[0].device)
 
-        def backward_group(start: int, size: int) -> float:
+        def backward_group(start: int, size: int) -> list[float]:
             for p in self.params:
                 p.grad = None
             loss = self._backward_samples(loss_of, start, start + size, size)
             pairs = zip(self.params, rows, strict=True)
             grads = [torch.zeros_like(r) if p.grad is None else local_rows(p.grad) for p, r in pairs]
             grouped.add(flatten(grads), size)
-            return loss
+            return [loss]
 
-        loss = backward_in_groups(sizes, backward_group)
+        (loss,) = backward_in_groups(sizes, backward_group)
         with torch.no_grad():
             for p, g in zip(self.params, unflatten(grouped.total, rows), strict=True):
                 p.grad = sharded_like(p, g.to(local_rows(p).device, copy=True))
@@ -254,13 +254,11 @@ class AdaptiveBatch:
                 trainer.batch.decide_from_reports(present, self._pace(trainer, left))
 
     def _pace(self, trainer: Trainer, left: int | None) -> Pace | None:
-        """What a time-aware decision weighs: at the round's H, or with ``sync_every=auto`` each candidate b at
-        the H the rule would choose for its step time (b and H chosen together, as adloco train's)."""
+        """What a time-aware decision weighs, at the round's H (``sync_every=auto``: b and H chosen together, as
+        adloco train's)."""
         rounds = self.rounds
-        pace = pace_for(self.config, self.costs, trainer.worker_ids, rounds.length, left, 1, self.total_workers)
-        if pace is not None and rounds.auto is not None:
-            pace.per_step = rounds.auto.planner(pace.round_seconds, rounds.ratio(rounds.lr()))
-        return pace
+        return pace_for(self.config, self.costs, trainer.worker_ids, rounds.length, left, 1, self.total_workers,
+                        rounds.auto, rounds.ratio(rounds.lr()))  # fmt: skip
 
     def pinned_seconds(self) -> tuple[float, float] | None:
         """(t, c) as ``batch.time.step_seconds`` and ``round_seconds`` pin them, both given (one worker a rank),

@@ -11,6 +11,7 @@ from adloco.algorithms.schedules import LR_EXPONENTS, BatchCoupling
 from adloco.batch.pace import CostModel, Pace
 
 if TYPE_CHECKING:
+    from adloco.algorithms.sync_every import AutoSyncEvery
     from adloco.config import BatchConfig
     from adloco.workers.reports import WorkerRound
 
@@ -142,13 +143,20 @@ def pace_for(
     tokens_left: int | None,
     tokens_per_sample: int,
     total_workers: int,
+    auto: AutoSyncEvery | None = None,
+    lr_ratio: float = 1.0,
 ) -> Pace | None:
     """The costs a time-aware decision weighs for a trainer of ``worker_ids``; b grows only while the budget
-    (``tokens_left``) holds ``batch.time.min_steps_left`` steps of every worker."""
+    (``tokens_left``) holds ``batch.time.min_steps_left`` steps of every worker. With ``sync_every=auto``
+    (``auto``) each candidate b is weighed at the H the rule would choose for its step time at the coming round's
+    inner lr over its peak (``lr_ratio``): b and H chosen together."""
     if costs is None or batch.controller != "time":
         return None
     limit = None
     if tokens_left is not None:
         limit = tokens_left // (batch.time.min_steps_left * tokens_per_sample * total_workers)
     cost = costs.trainer_cost(worker_ids, balanced=batch.shares == "speed")
-    return Pace(cost, costs.round_seconds, sync_every, limit)
+    pace = Pace(cost, costs.round_seconds, sync_every, limit)
+    if auto is not None:
+        pace.per_step = auto.planner(pace.round_seconds, lr_ratio)
+    return pace

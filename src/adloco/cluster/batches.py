@@ -117,13 +117,9 @@ class RoundBatches:
         self.b_max.update({w: r.b_max for w, r in state.reports.items()})
 
     def pace(self, trainer: Trainer, tokens_left: int | None) -> Pace | None:
-        """What a time-aware decision weighs; H as it stands now: trainers decided earlier count with their new b.
-        With ``sync_every=auto`` each candidate b is weighed at the H the rule would choose for its step time."""
-        pace = pace_for(self.batch, self.costs, trainer.worker_ids, self.inner_steps_per_round(), tokens_left,
-                        self.context, self.total_workers)  # fmt: skip
-        if pace is not None and self.auto is not None:
-            pace.per_step = self.auto.planner(pace.round_seconds, self.lr_ratio)
-        return pace
+        """What a time-aware decision weighs; H as it stands now: trainers decided earlier count with their new b."""
+        return pace_for(self.batch, self.costs, trainer.worker_ids, self.inner_steps_per_round(), tokens_left,
+                        self.context, self.total_workers, self.auto, self.lr_ratio)  # fmt: skip
 
     def choose(
         self, state: RoundState, trainers: Iterable[Trainer], pinned: tuple[float, float] | None

@@ -26,7 +26,7 @@ from adloco.models.precision import autocast_for, until_no_overflow
 from adloco.models.stacked import StackedLlama, unsupported_reason
 from adloco.workers.inner_optimizer import MuonWithAdamW, adamw_groups, set_inner_lr
 from adloco.workers.probe import is_out_of_memory
-from adloco.workers.worker import StepResult, Worker, backward_in_micro_batches
+from adloco.workers.worker import StepResult, Worker, backward_in_groups, backward_in_micro_batches
 
 log = logging.getLogger(__name__)
 
@@ -178,15 +178,15 @@ class WorkerGroup:
         sizes = split_evenly(batch, min(batch, stats_groups))
         numel = sum(p[0].numel() for p in self.params)
         grouped = [GroupedGradient(sizes, numel, gram, self.device) for _ in self.workers]
-        losses = [0.0] * len(self.workers)
-        start = 0
-        for size in sizes:
+
+        def backward_group(start: int, size: int) -> list[float]:
             self._clear_gradients()
             group_losses = self._backward(data, start, start + size, size, b_max)
             for k, accumulator in enumerate(grouped):
                 accumulator.add(flatten([p.grad[k] for p in self.params]), size)
-                losses[k] += group_losses[k] * size / batch
-            start += size
+            return group_losses
+
+        losses = backward_in_groups(sizes, backward_group)
         totals = [unflatten(accumulator.total, [p[0] for p in self.params]) for accumulator in grouped]
         for i, stacked in enumerate(self.params):
             stacked.grad = torch.stack([total[i] for total in totals])

@@ -169,13 +169,13 @@ class Worker:
         sizes = split_evenly(batch, min(batch, stats_groups))
         grouped = GroupedGradient(sizes, sum(p.numel() for p in self.params), gram, self.device)
 
-        def backward_group(start: int, size: int) -> float:
+        def backward_group(start: int, size: int) -> list[float]:
             self.optimizer.zero_grad(set_to_none=True)
             group_loss = self._backward_samples(data, start, start + size, size, b_max)
             grouped.add(self._flat_gradient(), size)
-            return group_loss
+            return [group_loss]
 
-        loss = backward_in_groups(sizes, backward_group)
+        (loss,) = backward_in_groups(sizes, backward_group)
         self._set_flat_gradient(grouped.total)
         if keep_gradient:
             self.last_gradient = grouped.total.clone()
@@ -320,14 +320,15 @@ def backward_in_micro_batches(
     return loss_sum / max(count, 1)
 
 
-def backward_in_groups(sizes: Sequence[int], backward_group: Callable[[int, int], float]) -> float:
+def backward_in_groups(sizes: Sequence[int], backward_group: Callable[[int, int], Sequence[float]]) -> list[float]:
     """A statistics step's backward, group after group of the step's samples (``backward_group(start, size)``
-    runs one group and takes its gradient); the step's mean loss, weighted as the groups' sizes are."""
+    runs one group, takes its gradient and gives each worker's mean loss over it: one worker, or several stacked);
+    each worker's mean loss over the step, weighted as the groups' sizes are."""
     batch = sum(sizes)
-    loss = 0.0
+    losses: list[float] = []
     start = 0
     for size in sizes:
-        group_loss = backward_group(start, size)
-        loss += group_loss * size / batch
+        group = backward_group(start, size)
+        losses = [*(loss + g * size / batch for loss, g in zip(losses or [0.0] * len(group), group, strict=True))]
         start += size
-    return loss
+    return losses

@@ -1,8 +1,9 @@
 """Two torchrun ranks running a tiny loop the way a new user might, one scenario per launch (issue 53, part 5).
 
 Run by tests/api/test_own_loop_pitfalls.py: ``python -m torch.distributed.run --nproc_per_node=2 ...
-pitfalls_loop.py OUT SCENARIO``. Each rank writes what it saw (its error's text, the warnings, whether the ranks'
-models agreed) as JSON into ``OUT.rank<r>.json``; an error adloco raised is a result, not a failure.
+pitfalls_loop.py OUT SCENARIO [SCENARIO ...]``. Each rank writes what it saw in each scenario (its error's text, the
+warnings, whether the ranks' models agreed) as JSON into ``OUT/<scenario>.rank<r>.json``; an error adloco raised is
+a result, not a failure.
 """
 
 import json
@@ -153,11 +154,8 @@ def restore_order(rank: int, folder: Path) -> dict[str, Any]:
     return found
 
 
-def main(out: str, scenario: str) -> None:
-    torch.set_num_threads(1)
-    if scenario != "no-group":
-        dist.init_process_group("gloo")
-    rank = int(__import__("os").environ["RANK"])
+def run(scenario: str, rank: int, out: Path) -> dict[str, Any]:
+    """One scenario on this rank: what it saw, its error a result."""
     found: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -179,19 +177,33 @@ def main(out: str, scenario: str) -> None:
                 model = _model()
                 DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=H * (rank + 1))
             elif scenario == "restore-order":
-                found = restore_order(rank, Path(out).parent)
+                found = restore_order(rank, out)
             else:
                 raise SystemExit(f"unknown scenario {scenario}")
         except (RuntimeError, ValueError) as error:
             found["error"] = str(error)
     found["warnings"] = [str(w.message) for w in caught]
-    if scenario.startswith("uneven-"):  # after the refusal the group is in step: no collective is left pending
+    if scenario != "no-group":  # after each scenario the group is in step: no collective is left pending
         ones = torch.ones(1)
         dist.all_reduce(ones)
         found["group_after"] = ones.item()
-    Path(f"{out}.rank{rank}.json").write_text(json.dumps(found))
+    return found
+
+
+def main(out: str, scenarios: list[str]) -> None:
+    """The scenarios one after another in one process group (one launch: starting torchrun costs more than most
+    of them), each rank's findings in ``OUT/<scenario>.rank<r>.json``; ``no-group`` alone, without a group."""
+    torch.set_num_threads(1)
+    if scenarios != ["no-group"]:
+        dist.init_process_group("gloo")
+    rank = int(__import__("os").environ["RANK"])
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    for scenario in scenarios:
+        found = run(scenario, rank, folder)
+        (folder / f"{scenario}.rank{rank}.json").write_text(json.dumps(found))
     end_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2:])

@@ -17,14 +17,27 @@ from tests.comm.test_distributed import _env, _free_port
 SCRIPT = Path(__file__).with_name("pitfalls_loop.py")
 
 
-def _two_ranks(tmp_path: Path, scenario: str, env: dict | None = None) -> list[dict]:
-    """What each of two torchrun ranks saw running ``scenario`` of pitfalls_loop.py."""
-    out = tmp_path / scenario
+# The scenarios that run in a process group, one after another in one launch (starting torchrun costs more than
+# most of them); each leaves the group in step for the next, which the fixture checks.
+IN_A_GROUP = ["ddp-given", "ddp-around", "settings-differ", "scaler-recipe", "scaler-hooked", "restore-order",
+              "uneven-7-6", "uneven-5-4", "uneven-8-7", "uneven-9-4", "uneven-6-5-streaming"]  # fmt: skip
+
+
+def _launch(folder: Path, scenarios: list[str]) -> dict[str, list[dict]]:
+    """What each of two torchrun ranks saw running ``scenarios`` of pitfalls_loop.py, by scenario."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", str(SCRIPT), str(out), scenario]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=240, env=env or _env())
+               f"--master_port={_free_port()}", str(SCRIPT), str(folder), *scenarios]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=folder.parent, timeout=300, env=_env())
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    return {s: [json.loads((folder / f"{s}.rank{r}.json").read_text()) for r in range(2)] for s in scenarios}
+
+
+@pytest.fixture(scope="module")
+def in_a_group(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    seen = _launch(tmp_path_factory.mktemp("pitfalls") / "ranks", IN_A_GROUP)
+    for scenario, ranks in seen.items():  # a scenario that left a collective half-paired would hang the next
+        assert [rank["group_after"] for rank in ranks] == [2.0, 2.0], scenario
+    return seen
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -56,11 +69,11 @@ def test_finish_without_a_round_is_refused_instead_of_undoing_the_training():
 
 @pytest.mark.process
 @pytest.mark.parametrize("scenario", ["ddp-given", "ddp-around"])
-def test_a_model_still_in_ddp_trains_as_diloco_with_a_line_saying_so(tmp_path, scenario):
+def test_a_model_still_in_ddp_trains_as_diloco_with_a_line_saying_so(in_a_group, scenario):
     """Given in DistributedDataParallel, or with the wrapper left around it and the loop calling the wrapper: DDP
     would average every step's gradients (the workers one model, another algorithm); DiLoCo turns that off on the
     wrapper and says so, so mid-round the ranks' models differ and at the round's end they are θ."""
-    for rank in _two_ranks(tmp_path, scenario):
+    for rank in in_a_group[scenario]:
         assert "error" not in rank, rank["error"]
         assert rank["apart_mid_round"] and rank["alike_at_the_end"]
         said = [w for w in rank["warnings"] if "DistributedDataParallel" in w]
@@ -71,7 +84,7 @@ def test_a_model_still_in_ddp_trains_as_diloco_with_a_line_saying_so(tmp_path, s
 def test_torchrun_without_a_process_group_is_refused_on_every_rank(tmp_path):
     """Under torchrun (WORLD_SIZE=2) a loop that never called dist.init_process_group would train each rank alone as
     a one-worker DiLoCo; both ranks refuse."""
-    for rank in _two_ranks(tmp_path, "no-group"):
+    for rank in _launch(tmp_path / "ranks", ["no-group"])["no-group"]:
         assert "the launcher started 2 ranks (WORLD_SIZE) but torch.distributed is not initialised" in rank["error"]
 
 
@@ -81,7 +94,7 @@ def test_torchrun_without_a_process_group_is_refused_on_every_rank(tmp_path):
                                                   ("uneven-8-7", "rank 0: 8, rank 1: 7"),
                                                   ("uneven-9-4", "rank 0: 8, rank 1: 4"),
                                                   ("uneven-6-5-streaming", "rank 0: 6, rank 1: 5")])  # fmt: skip
-def test_ranks_that_took_different_numbers_of_steps_are_refused_on_every_rank(tmp_path, scenario, counts):
+def test_ranks_that_took_different_numbers_of_steps_are_refused_on_every_rank(in_a_group, scenario, counts):
     """An uneven last batch: one rank takes a step more. In a round (7 against 6, H = 4) their exchanges carried
     reports of unlike lengths and gloo aborted; with one rank at a round's boundary (5 against 4) the other's last
     exchange met no peer. Where the extra steps end a round the other rank never reaches (8 against 7; 9 against 4,
@@ -90,20 +103,20 @@ def test_ranks_that_took_different_numbers_of_steps_are_refused_on_every_rank(tm
     starts a fragment's exchange that rank 1 never starts, still in flight at finish(), and gloo aborted. Every rank
     now refuses in one line naming the counts (rank 0's as far as it got: the step whose exchange no peer joined),
     and the process group is left in step: a collective after the refusal pairs on both ranks."""
-    for rank in _two_ranks(tmp_path, scenario):
+    for rank in in_a_group[scenario]:
         assert f"the ranks took different numbers of optimizer steps ({counts})" in rank["error"]
         assert rank["group_after"] == 2.0
 
 
 @pytest.mark.process
-def test_a_grad_scaler_that_skips_a_step_on_one_rank_keeps_the_ranks_in_step(tmp_path):
+def test_a_grad_scaler_that_skips_a_step_on_one_rank_keeps_the_ranks_in_step(in_a_group):
     """The fp16 recipe: torch.amp.GradScaler skips optimizer.step() (and the optimizer's hooks) on the rank whose
     gradients overflowed. Inside `with diloco:` that rank fell a step behind and gloo aborted both; now finish()
     refuses on both, naming the counts and the recipe. The documented recipe, diloco.step() after
     scaler.step(optimizer) at every iteration, counts the skipped step on that rank too: both end on θ."""
-    for rank in _two_ranks(tmp_path, "scaler-hooked"):
+    for rank in in_a_group["scaler-hooked"]:
         assert "(rank 0: 10, rank 1: 9)" in rank["error"] and "call diloco.step() after scaler.step" in rank["error"]
-    ranks = _two_ranks(tmp_path, "scaler-recipe")
+    ranks = in_a_group["scaler-recipe"]
     assert [r["steps"] for r in ranks] == [10, 10] and all(r["alike_at_the_end"] for r in ranks)
     assert ranks[1]["scale"] < ranks[0]["scale"]  # rank 1's scaler did skip a step (and halved its scale)
 
@@ -165,10 +178,10 @@ with DiLoCo(model, optimizer, sync_every=2) as diloco:
 
 
 @pytest.mark.process
-def test_a_setting_that_differs_between_ranks_is_named(tmp_path):
+def test_a_setting_that_differs_between_ranks_is_named(in_a_group):
     """Rank 0 builds DiLoCo with sync_every=4, rank 1 with 8: both refuse, naming sync_every alone (not a list of
     every setting that might have differed)."""
-    for rank in _two_ranks(tmp_path, "settings-differ"):
+    for rank in in_a_group["settings-differ"]:
         assert rank["error"] == "the ranks' DiLoCo settings differ in sync_every: every rank must build the same DiLoCo"
 
 
@@ -204,12 +217,12 @@ def test_optimizer_steps_outside_diloco_are_warned_about_once():
 
 
 @pytest.mark.process
-def test_a_model_restored_before_diloco_is_built_is_refused_and_the_documented_order_resumes(tmp_path):
+def test_a_model_restored_before_diloco_is_built_is_refused_and_the_documented_order_resumes(in_a_group):
     """Restoring mid-round in the natural order (the model's state, then DiLoCo(...)) would train on from rank 0's
     model on every rank: refused on both ranks; the documented order (DiLoCo, then the model, optimizer and DiLoCo
     states) goes on to the bits of the run that never stopped, and so does a framework's restore (rank 0's model on
     every rank before DiLoCo(...), each rank's own after it), where rank 0's model alone holds θ."""
-    for rank in _two_ranks(tmp_path, "restore-order"):
+    for rank in in_a_group["restore-order"]:
         assert "error" not in rank, rank["error"]
         assert "saved mid-round and the model still holds rank 0's parameters" in rank["wrong_order"]
         assert rank["resumed_identical"] and rank["framework_identical"]

@@ -11,9 +11,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from adloco import DiLoCo, MuonWithAdamW, hidden_matrices
-from adloco.config import ConfigError
+from adloco.config import ConfigError, build_config
 from adloco.config.input import layered
-from tests.comm.test_distributed import _env, _free_port, _torchrun
+from adloco.run.training import train
+from tests.comm.test_distributed import _env, _free_port
 from tests.conftest import PINNED_PACE, final_params
 
 LOOP = Path(__file__).with_name("adloco_train_loop.py")
@@ -84,9 +85,10 @@ def _loop(tmp_path: Path, out: Path, settings: list[str], *flags: str, script: P
 def test_a_plain_loop_with_diloco_ends_on_the_bits_of_adloco_train(tmp_path, method, flags, stop_after):
     """Two torchrun ranks; the loop reads the samples adloco train's workers read. The streaming case exchanges
     over a process group of its own and stops after inner step 9 (mid-round, a fragment in flight), each rank
-    saving its own checkpoint, and a second launch resumes from it."""
+    saving its own checkpoint, and a second launch resumes from it. adloco train runs its two workers in this
+    process: where they run does not change a bit (tests/comm/test_distributed.py), and it saves a launch."""
     settings = layered(SETTINGS, method)
-    _torchrun(2, [*settings, f"run.root={tmp_path}", "run.name=cli"], cwd=tmp_path)
+    train(build_config(overrides=[*settings, f"run.root={tmp_path}", "run.name=cli"]))
     out = tmp_path / "loop.pt"
     if stop_after is not None:
         _loop(tmp_path, out, settings, *flags, f"--stop-after={stop_after}")

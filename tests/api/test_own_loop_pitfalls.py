@@ -154,6 +154,15 @@ def test_a_forgotten_finish_is_said_when_the_object_goes_or_the_process_ends():
     with pytest.warns(UserWarning, match=r"finish\(\) was never called after 2 round\(s\)"):
         del diloco
         gc.collect()
+    # hooked with hook() (Lightning's way), then the model and optimizer dropped too: still collected, still said
+    hooked_model = _model()
+    hooked_optimizer = torch.optim.SGD(hooked_model.parameters(), lr=0.1)
+    hooked = DiLoCo(hooked_model, hooked_optimizer, sync_every=2)
+    hooked.hook()
+    _steps(hooked_model, hooked_optimizer, 4)
+    with pytest.warns(UserWarning, match=r"finish\(\) was never called after 2 round\(s\)"):
+        del hooked, hooked_model, hooked_optimizer
+        gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         finished = DiLoCo(model, optimizer, sync_every=2)

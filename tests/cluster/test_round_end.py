@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from adloco.algorithms.sync_every import SyncDecision, dispersion
+from adloco.cluster import round_end
 from adloco.cluster.round_end import RoundEnd
 from adloco.sync.exchange import Drift
 from adloco.workers.reports import RoundState, WorkerRound
@@ -66,11 +67,13 @@ def _round(calls: list[str], shard_sum=None) -> tuple[RoundEnd, dict, RoundState
     return end, trainers, state
 
 
-def test_the_round_ends_in_one_order_for_every_driver():
-    """Exchange, restart of the failed workers, dispersion, batch decisions of the trainers taking part, their
-    costs learned, then H from every trainer with the batch's pinned costs: the order both drivers rely on (the
-    batch weighs b at the dispersion just measured; H follows the b just decided)."""
+def test_the_round_ends_in_one_order_for_every_driver(monkeypatch):
+    """Exchange, restart of the failed workers, dispersion, batch decisions of the trainers taking part, every
+    trainer's state and reports to every rank, the costs learned, then H from every trainer with the batch's pinned
+    costs: the order both drivers rely on (the batch weighs b at the dispersion just measured; the costs are learned
+    from every trainer's reports; H follows the b just decided)."""
     calls: list[str] = []
+    monkeypatch.setattr(round_end, "synchronize", lambda comm, trainers, state: calls.append("synchronize"))
     end, trainers, state = _round(calls)
     decision = end(state, _Batch(calls), _Length(calls))
     expected = dispersion(DRIFT.worker_sq, DRIFT.mean_sq)
@@ -79,6 +82,7 @@ def test_the_round_ends_in_one_order_for_every_driver():
         "restart",
         "drift 0",
         f"decide [0] δ={expected:.4f}",
+        "synchronize",
         "learn",
         "choose [0, 1] pinned=(0.5, 2.0)",
     ]
@@ -97,14 +101,14 @@ def test_without_a_batch_side_h_is_chosen_on_the_reports_own_costs():
 
 def test_a_sharded_workers_dispersion_is_that_of_its_norms_summed_over_its_shards():
     """Each shard holds part of every squared norm; the dispersion is of the sums, not of one shard's parts."""
-    sums: list[list[float]] = []
+    sums: list[tuple[list[float], float]] = []
 
-    def two_shards(values):
-        sums.append(list(values))
-        return [v + other for v, other in zip(values, [1.0, 3.0, 0.5], strict=True)]  # plus the other shard's
+    def two_shards(worker_sq, mean_sq):
+        sums.append((list(worker_sq), mean_sq))
+        return [worker_sq[0] + 1.0, worker_sq[1] + 3.0], mean_sq + 0.5  # plus the other shard's parts
 
     end, trainers, state = _round([], two_shards)
     end(state, None, _Length([]))
-    assert sums == [[4.0, 1.0, 2.0]]  # the workers' in their order, then the mean's
+    assert sums == [([4.0, 1.0], 2.0)]  # the workers' in their order, and the mean's
     assert trainers[0].dispersion == dispersion({0: 5.0, 1: 4.0}, 2.5)
     assert trainers[0].dispersion != dispersion(DRIFT.worker_sq, DRIFT.mean_sq)

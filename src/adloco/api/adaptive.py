@@ -79,7 +79,9 @@ class AdaptiveBatch:
         self.plans = self._plans()
         self.statistics_due = False
         self.first_step = True  # of the round in progress
-        self.round_steps = 0  # inner steps of the round in progress (the budget's count within a round)
+        # inner steps of the round in progress (the budget's count within a round); at its end, as stamp() sets
+        # them, the steps decide() and learn() count
+        self.round_steps = 0
         self.statistics = None
         self.compute_seconds = 0.0
         self._round_started = time.perf_counter()

@@ -128,7 +128,7 @@ class DiLoCo(LoopState):
         check_layout(trainers, self.shards, process_group)  # before anything connects
         self._connect(method, sync_every, sections, trainers, process_group)
         # their count and H (sync_every="auto": chosen at each round's end)
-        self.rounds = LoopRounds(self.config, partial(first_group_lr, optimizer), self.shards)
+        self.rounds = LoopRounds(self.config, first_group_lr(optimizer), self.shards)
         self.check_finite = check_finite  # off where a loss scaler already keeps overflowing steps out
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.comm.set_placement({w: w for w in range(self.world_size)})
@@ -143,7 +143,7 @@ class DiLoCo(LoopState):
             divisor = 1.0 if self.shards is None else gradient_divisor(model, self.shards)
             self._batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.trainers, self.rank,
                                        self.rounds, total_samples, self.shards, divisor)  # fmt: skip
-        shard_sum = None if self.shards is None else self.shards.sum
+        shard_sum = None if self.shards is None else partial(_summed_over_shards, self.shards)
         restart = partial(_restart_if_out, optimizer, self.rank)  # nothing in it refers back to this object
         self._round_end = RoundEnd(self.sync, self.comm, self.trainers, restart, shard_sum)
         self.inner_step = 0  # inner steps taken since the start, over every round
@@ -307,7 +307,7 @@ class DiLoCo(LoopState):
             self._batch.stamp(state, self.rank, steps)
         self.rounds.stamp(record, steps)
         self._round_end(state, self._batch, self.rounds)
-        self.rounds.exchange_seconds = self._round_end.exchange_seconds
+        self.rounds.exchange_seconds = self._round_end.exchange_seconds  # the next round's reports carry it
         self._merge_if_due(state)  # after H is chosen, as adloco train's merges
         self.last_round = state
         self._state = self._new_round()
@@ -411,6 +411,11 @@ class DiLoCo(LoopState):
     def theta(self) -> list[torch.Tensor]:
         """The global parameters θ (the model itself drifts from them within a round)."""
         return self.trainer.theta
+
+
+def _summed_over_shards(shards: WorkerShards, worker_sq: list[float], mean_sq: float) -> tuple[list[float], float]:
+    total = shards.sum([*worker_sq, mean_sq])
+    return total[:-1], total[-1]
 
 
 def _restart_if_out(optimizer: torch.optim.Optimizer, rank: int, state: RoundState) -> None:

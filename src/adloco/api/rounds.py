@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -88,6 +89,15 @@ class LoopRounds:
             self.auto.load_state_dict(state["sync_every"])
 
 
-def first_group_lr(optimizer: torch.optim.Optimizer) -> float:
-    """The inner optimizer's lr (its first group's), as the loop's schedule set it."""
-    return float(optimizer.param_groups[0]["lr"])
+def first_group_lr(optimizer: torch.optim.Optimizer) -> Callable[[], float]:
+    """The inner optimizer's lr (its first group's), as the loop's schedule sets it, read when asked. Through a weak
+    reference: the rounds go to DiLoCo's finalizer, and the optimizer's hooks lead back to DiLoCo, which would then
+    live as long as the process."""
+    held = weakref.ref(optimizer)
+
+    def lr() -> float:
+        optimizer = held()
+        assert optimizer is not None, "the inner optimizer is gone"
+        return float(optimizer.param_groups[0]["lr"])
+
+    return lr

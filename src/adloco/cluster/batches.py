@@ -45,8 +45,8 @@ class RoundBatches:
         self.worker_rank = worker_rank  # where each worker's steps run: a rank's hosted workers take turns
         self.cross_worker = cross_worker  # a trainer's statistics from its workers' Δ (estimator cross_worker)
         self.auto = auto  # sync_every=auto: H chosen at each round's end
-        # set by the cluster as a round starts: the round's plan (samples per step of each worker), the inner lr of
-        # the coming round over its peak, and the token budget left after the round
+        # set by the cluster at each round's end, before the batch decisions: the plan the round ran (samples per
+        # step of each worker), the inner lr of the coming round over its peak, the token budget left after the round
         self.round_samples: dict[int, int] = {}
         self.lr_ratio = 1.0
         self.tokens_left: int | None = None

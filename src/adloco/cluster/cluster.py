@@ -372,9 +372,6 @@ class Cluster:
 
     # -- the parts that are not the round's: trainers across ranks and merges (trainers.py), checkpoint
     # state composed from the parts' own (state.py)
-    def synchronize(self, state: RoundState | None = None) -> None:
-        trainer_sync.synchronize(self.comm, self.trainers, state)
-
     def maybe_merge(self, round_index: int) -> MergeEvent | None:
         return trainer_sync.maybe_merge(self.comm, self.trainers, self.workers, self.config.merge, round_index)
 
@@ -425,7 +422,12 @@ def _shard_sum(comm: Communicator) -> ShardSum | None:
     """Sums over the ranks that hold the other shards of this rank's workers (None: the workers are whole)."""
     if comm.shards == 1:
         return None
-    return lambda values: comm.sum_over_shards(torch.tensor(list(values), dtype=torch.float64)).tolist()
+
+    def summed(worker_sq: list[float], mean_sq: float) -> tuple[list[float], float]:
+        total = comm.sum_over_shards(torch.tensor([mean_sq, *worker_sq], dtype=torch.float64)).tolist()
+        return total[1:], total[0]
+
+    return summed
 
 
 def _local_loss(state: RoundState, step: int) -> float:

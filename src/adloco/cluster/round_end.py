@@ -20,8 +20,10 @@ from adloco.comm.base import Communicator
 from adloco.sync import RoundState, SyncStrategy
 from adloco.sync.trainer import Trainer
 
-# ``values`` summed over the shards of a worker sharded over several ranks (each shard holds part of every norm)
-ShardSum = Callable[[Sequence[float]], list[float]]
+# The workers' ‖Δ_i‖² and the mean's ‖Δ̄‖², each summed over the shards of a worker sharded over several ranks (each
+# shard holds part of every norm). A driver packs them in its own order: with three or more shards the place of a
+# value in the collective can change the order of its additions, and so its last bit.
+ShardSum = Callable[[list[float], float], tuple[list[float], float]]
 
 
 class BatchSide(Protocol):
@@ -85,6 +87,6 @@ class RoundEnd:
         worker_sq, mean_sq = drift.worker_sq, drift.mean_sq
         if self.shard_sum is not None:
             workers = sorted(worker_sq)
-            parts = self.shard_sum([*(worker_sq[w] for w in workers), mean_sq])
-            worker_sq, mean_sq = dict(zip(workers, parts[:-1], strict=True)), parts[-1]
+            summed, mean_sq = self.shard_sum([worker_sq[w] for w in workers], mean_sq)
+            worker_sq = dict(zip(workers, summed, strict=True))
         return dispersion(worker_sq, mean_sq, state.weights)

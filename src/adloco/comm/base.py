@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -109,10 +110,14 @@ class ExchangeMixin:
             device = tensors[0].device if tensors else torch.device("cpu")  # one row, one device (a GPU model's)
             packed[w] = [*tensors] + ([] if reports is None else [pack_report(reports[w], dtype).to(device)])
         ordered = sorted(workers)
+        # the callback may run on a backend's thread, which may release it last: a weak reference, so that it never
+        # holds this object's group handles (whose destructor would join that very thread)
+        transport = weakref.ref(self)
 
         def unpack(done: Future) -> Gathered:
             rows = done.wait()
-            absent = self.absent_from_last()
+            holder = transport()
+            absent = frozenset() if holder is None else holder.absent_from_last()
             if reports is None:
                 return Gathered(rows=rows, total=None, reports={}, absent=absent)
             reports_by_worker = {

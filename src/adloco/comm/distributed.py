@@ -171,11 +171,6 @@ class DistributedCommunicator(ExchangeMixin):
         """Start the all-reduce (sum) of ``flat`` among ``workers``' ranks."""
         return dist.all_reduce(flat, group=self._group(workers), async_op=True).get_future()
 
-    def _timed(self, start: float, sent: int, payload: int) -> None:
-        self.stats.seconds += time.perf_counter() - start
-        self.stats.wire_bytes += sent
-        self.stats.bytes_sent += payload
-
     def gather_over_workers(
         self, contributions: Mapping[int, Sequence[torch.Tensor]], workers: Sequence[int]
     ) -> Future[list[list[torch.Tensor]]]:
@@ -200,6 +195,7 @@ class DistributedCommunicator(ExchangeMixin):
             future = self._all_gather(outputs, local, ordered)
             sent = local.numel() * local.element_size()
         self.stats.exchanges += len(ordered) > 1
+        stats = self.stats  # the callback runs on gloo's thread: it must hold no group handle (not this object)
 
         def unpack(done: Future) -> list[list[torch.Tensor]]:
             # A callback runs even when the collective failed (a peer died); wait() raises that error here
@@ -209,7 +205,7 @@ class DistributedCommunicator(ExchangeMixin):
             for rank, gathered in zip(ranks, outputs, strict=True):
                 for row, worker in enumerate(hosted_by[rank]):
                     by_worker[worker] = [t.clone() for t in unflatten(gathered[row].cpu(), like)]
-            self._timed(start, sent, payload)
+            _timed(stats, start, sent, payload)
             return [by_worker[w] for w in ordered]
 
         return future.then(unpack)
@@ -252,10 +248,11 @@ class DistributedCommunicator(ExchangeMixin):
             future = self._all_reduce(flat, ordered)
             sent = 2 * flat.numel() * flat.element_size()
         self.stats.exchanges += len(ordered) > 1
+        stats = self.stats  # the callback runs on gloo's thread: it must hold no group handle (not this object)
 
         def finish(done: Future) -> list[torch.Tensor]:
             done.wait()  # re-raise a failed all-reduce rather than return a half-reduced buffer
-            self._timed(start, sent, payload)
+            _timed(stats, start, sent, payload)
             return [t.clone() for t in unflatten(flat.cpu(), like)]
 
         return future.then(finish)
@@ -354,3 +351,10 @@ class DistributedCommunicator(ExchangeMixin):
             holder._world = holder.shard_group = holder.shard_mesh = None
         self._views.clear()
         gc.collect()
+
+
+def _timed(stats: CommStats, start: float, sent: int, payload: int) -> None:
+    """An exchange's seconds and bytes into ``stats`` (from its completion callback)."""
+    stats.seconds += time.perf_counter() - start
+    stats.wire_bytes += sent
+    stats.bytes_sent += payload

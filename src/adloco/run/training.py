@@ -155,7 +155,7 @@ def train(
 
 def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
     config, resized = elastic_size(config, comm.world_size, fresh=resume is None and restart_attempt() == 0)
-    device = resolve_device(config)
+    device, config.precision = resolve_device(config.device, config.precision, config.tf32)  # config.yaml records it
     job_peak_flops(config, device, comm.world_size)  # run.mfu=true on a device of unknown peak: refused now
     theta_device(config.outer.device, device, 0, user_loop=False)  # outer.device=cuda without one: refused now
     if config.compile:
@@ -169,7 +169,9 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
         again = Path(restart[1])
     tokenizer, run_task = tokenizer_and_task(config, resume)
     if device.type == "cpu":  # a GPU's own limit is b_max's business (resolve_b_max probes it)
-        workers_here = len(hosted_workers(config, comm.rank, comm.world_size))  # a shard of each when sharded
+        hosted = hosted_workers(comm.rank, comm.world_size, total_workers=config.total_workers,
+                                slots_per_rank=config.slots_per_rank, shards=config.shards)  # fmt: skip
+        workers_here = len(hosted)  # a shard of each when sharded
         check_rank_memory(config, run_task.build_skeleton(), run_task.context, workers_here)
     lock, run_dir = claim_run_dir(config, resume, again, comm)
     if comm.rank == 0 and resume is None:
@@ -236,7 +238,8 @@ def _resume_from(
     """The newest intact checkpoint, after checking that only resume-safe settings changed since it was written.
     Each rank keeps the workers it hosts (and those an elastic resize retires, whose streams every rank keeps), and
     its shard of them, cut anew if the checkpoint has another shard count."""
-    hosted = hosted_workers(config, comm.rank, comm.world_size)
+    hosted = hosted_workers(comm.rank, comm.world_size, total_workers=config.total_workers,
+                            slots_per_rank=config.slots_per_rank, shards=config.shards)  # fmt: skip
 
     def wanted(worker_id: int) -> bool:
         return worker_id in hosted or worker_id >= config.total_workers

@@ -155,8 +155,9 @@ class Cluster:
         self.costs = self._cost_model(template) if timed else pinned_costs(config.batch.time, self.worker_rank)
         shape = (config.total_workers, config.first_sync_every, self.context)
         cross_worker = partial(_cross_worker, comm, self.workers)
+        auto = auto_sync_every(config.sync_every, config.sync_auto, config.streaming, config.workers)
         self.batches = RoundBatches(config.batch, self.trainers, self.b_max, self.costs, shape, self.collect_statistics,
-                                    self.worker_rank, cross_worker, auto_sync_every(config))  # fmt: skip
+                                    self.worker_rank, cross_worker, auto)  # fmt: skip
         self.round_end = RoundEnd(self.sync, comm, self.trainers, partial(_restart, self.workers), _shard_sum(comm))
         self.overhead_seconds = math.nan  # this rank's last round: wall time not spent computing steps
         # and its time between rounds before that one (evaluation, records: a peer waits for it at the exchange)

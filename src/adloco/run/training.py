@@ -156,7 +156,8 @@ def train(
 def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
     config, resized = elastic_size(config, comm.world_size, fresh=resume is None and restart_attempt() == 0)
     device, config.precision = resolve_device(config.device, config.precision, config.tf32)  # config.yaml records it
-    job_peak_flops(config, device, comm.world_size)  # run.mfu=true on a device of unknown peak: refused now
+    # run.mfu=true on a device of unknown peak: refused now
+    job_peak_flops(config.run, config.precision, config.tf32, device, comm.world_size)
     theta_device(config.outer.device, device, 0, user_loop=False)  # outer.device=cuda without one: refused now
     if config.compile:
         check_compile(device)
@@ -303,7 +304,7 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
             report = run.cluster.run_round(
                 plan.index,
                 plan.steps,
-                lambda step, plan=plan: plan.lr_at(config, step),
+                lambda step, plan=plan: plan.lr_at(config.inner, config.total_tokens, step),
                 lambda step, plan=plan: _after_step(run, plan, step, display, stop),
                 first_step=plan.first_step,
                 ask=lambda: BoundaryRequest(stop_signal=stop.requested or 0, checkpoint=_checkpoint_time_due(run)),
@@ -396,7 +397,7 @@ def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> RunSt
         started=time.perf_counter() - counters["seconds"],
         last_checkpoint=checkpoint["round"] if checkpoint is not None else None,
         flops_per_token=flops_per_token_of(run_task.build_skeleton(), cluster.context),
-        peak_flops=job_peak_flops(config, device, comm.world_size),
+        peak_flops=job_peak_flops(config.run, config.precision, config.tf32, device, comm.world_size),
     )
 
 

@@ -173,7 +173,8 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
         hosted = hosted_workers(comm.rank, comm.world_size, total_workers=config.total_workers,
                                 slots_per_rank=config.slots_per_rank, shards=config.shards)  # fmt: skip
         workers_here = len(hosted)  # a shard of each when sharded
-        check_rank_memory(config, run_task.build_skeleton(), run_task.context, workers_here)
+        check_rank_memory(run_task.build_skeleton(), run_task.context, workers_here, trainers=config.trainers,
+                          batch_size=config.batch.size, shards=config.shards)  # fmt: skip
     lock, run_dir = claim_run_dir(config, resume, again, comm)
     if comm.rank == 0 and resume is None:
         save_tokenizer(tokenizer, run_dir / SAVED_DIR)
@@ -222,7 +223,7 @@ def tokenizer_and_task(config: TrainConfig, resume: Path | None) -> tuple:
     """The run's tokenizer and task; a resumed run reloads the tokenizer it saved (a BPE is never trained twice)."""
     saved = resume / SAVED_DIR if resume is not None and config.data.tokenizer != "byte" else None
     if config.task == "classification":
-        tokenizer = build_tokenizer(config.data, classification_texts(config), saved)
+        tokenizer = build_tokenizer(config.data, classification_texts(config.data), saved)
         return tokenizer, build_task(config, tokenizer)
     # token files were tokenized already: their tokenizer is the one that wrote them, nothing is read to train one
     source = None if names_token_files(config.data.dataset) else source_from_config(config.data)

@@ -43,7 +43,8 @@ def test_auto_follows_the_pinned_costs_within_its_bounds_and_says_why(fast_overr
 
 def test_the_drift_scale_is_that_of_two_workers_and_falls_with_more():
     def drift(*overrides):
-        return auto_sync_every(build_config(overrides=["sync_every=auto", *overrides])).drift_steps
+        config = build_config(overrides=["sync_every=auto", *overrides])
+        return auto_sync_every(config.sync_every, config.sync_auto, config.streaming, config.workers).drift_steps
 
     assert drift("workers=2", "sync_auto.workers_power=1") == drift("workers=2", "sync_auto.workers_power=0") == 400
     assert drift("workers=4", "sync_auto.workers_power=1", "sync_auto.drift_steps=300") == 150

@@ -247,7 +247,9 @@ def test_shard_and_rank_arithmetic_fits_or_is_one_line(workers, trainers, shards
         _one_line(str(error))
         return
     if not (elastic and torchrun):  # the job fits: every worker has a rank, every rank the same number
-        placed = [hosted_workers(config, rank, world if torchrun else 1) for rank in range(world if torchrun else 1)]
+        ranks = world if torchrun else 1
+        layout = dict(total_workers=config.total_workers, slots_per_rank=config.slots_per_rank, shards=config.shards)
+        placed = [hosted_workers(rank, ranks, **layout) for rank in range(ranks)]
         assert sorted(w for hosted in placed for w in hosted) == sorted(list(range(config.total_workers)) * shards)
 
 

@@ -19,7 +19,8 @@ def test_rank_placement_gives_contiguous_blocks():
     assert rank_placement(4, 2, None) == {0: 0, 1: 0, 2: 1, 3: 1}
     assert rank_placement(4, 1, None) == {w: 0 for w in range(4)}
     config = build_config(overrides=["workers=2", "shards=2"])
-    assert [hosted_workers(config, rank, 4) for rank in range(4)] == [{0}, {0}, {1}, {1}]
+    placed = {"total_workers": config.total_workers, "slots_per_rank": config.slots_per_rank, "shards": config.shards}
+    assert [hosted_workers(rank, 4, **placed) for rank in range(4)] == [{0}, {0}, {1}, {1}]
 
 
 @pytest.mark.parametrize(

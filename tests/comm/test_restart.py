@@ -194,7 +194,8 @@ def test_a_restart_with_another_world_size_resumes_only_an_elastic_job(tmp_path,
     first = _train_attempt(job).run_dir  # one rank of two slots: 2 workers
     torchrun_env.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     smaller = build_config(overrides=[*job, "workers=1"])  # a restart that came back with half the worker slots
-    resolve_device(smaller)  # train resolves precision=auto for its device before it asks
+    # train resolves precision=auto for its device before it asks
+    _, smaller.precision = resolve_device(smaller.device, smaller.precision, smaller.tf32)
     if elastic:
         assert restart_plan(smaller) == ("resume", str(first.resolve()))
     else:

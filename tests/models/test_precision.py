@@ -181,5 +181,5 @@ def test_auto_precision_is_bf16_on_a_cuda_gpu_and_fp32_elsewhere():
     assert resolved_precision("fp16", torch.device("cpu")) == "fp16"  # asked for: kept
     config = build_config(overrides=["device=cpu"])
     assert config.precision == "auto"
-    resolve_device(config)
+    _, config.precision = resolve_device(config.device, config.precision, config.tf32)
     assert config.precision == "fp32"  # what config.yaml records

@@ -73,14 +73,14 @@ def test_cpu_budget_probe_through_the_config(tmp_path):
     from adloco.config import ConfigError, build_config
 
     model = build_model(preset_config("tiny", 256), 0)
-    assert resolve_b_max(build_config(overrides=["batch.memory.b_max=7"]), model, 64, 256) == 7
-    assert resolve_b_max(build_config(overrides=["batch.b_cap=12"]), model, 64, 256) == 12  # no budget: b_cap
+    assert resolve_b_max(build_config(overrides=["batch.memory.b_max=7"]).batch, model, 64, 256) == 7
+    assert resolve_b_max(build_config(overrides=["batch.b_cap=12"]).batch, model, 64, 256) == 12  # no budget: b_cap
     generous = resolve_b_max(
-        build_config(overrides=["batch.memory.budget_mb=100000", "batch.b_cap=16"]), model, 64, 256
+        build_config(overrides=["batch.memory.budget_mb=100000", "batch.b_cap=16"]).batch, model, 64, 256
     )
     assert generous == 16
     with pytest.raises(ConfigError, match="not even one sample"):
-        resolve_b_max(build_config(overrides=["batch.memory.budget_mb=1"]), model, 64, 256)
+        resolve_b_max(build_config(overrides=["batch.memory.budget_mb=1"]).batch, model, 64, 256)
 
 
 def test_a_gpu_budget_is_split_among_the_workers_that_train_on_it():

@@ -37,6 +37,7 @@ from adloco.api.replica import Replica
 from adloco.api.rounds import LoopRounds, first_group_lr
 from adloco.api.worker import LoopWorker, WorkerShards, finite, gradient_divisor, worker_shards
 from adloco.batch.policy import TrainerBatch
+from adloco.cluster.batches import auto_sync_every
 from adloco.cluster.placement import placement
 from adloco.cluster.round_end import RoundEnd
 from adloco.cluster.trainers import MergeEvent, maybe_merge
@@ -128,7 +129,9 @@ class DiLoCo(LoopState):
         check_layout(trainers, self.shards, process_group)  # before anything connects
         self._connect(method, sync_every, sections, trainers, process_group)
         # their count and H (sync_every="auto": chosen at each round's end)
-        self.rounds = LoopRounds(self.config, first_group_lr(optimizer), self.shards)
+        config = self.config
+        auto = auto_sync_every(config.sync_every, config.sync_auto, config.streaming, config.workers)
+        self.rounds = LoopRounds(config.first_sync_every, auto, first_group_lr(optimizer), self.shards)
         self.check_finite = check_finite  # off where a loss scaler already keeps overflowing steps out
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.comm.set_placement({w: w for w in range(self.world_size)})

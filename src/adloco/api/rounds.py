@@ -14,10 +14,9 @@ from typing import Any
 
 import torch
 
-from adloco.algorithms.sync_every import SyncDecision
+from adloco.algorithms.sync_every import AutoSyncEvery, SyncDecision
 from adloco.api.worker import WorkerShards
-from adloco.cluster.batches import auto_sync_every, busiest_rank, next_sync_every
-from adloco.config import TrainConfig
+from adloco.cluster.batches import busiest_rank, next_sync_every
 from adloco.sync import RoundState, WorkerRound
 from adloco.sync.trainer import Trainer
 from adloco.workers.reports import exchange_time
@@ -26,11 +25,17 @@ from adloco.workers.reports import exchange_time
 class LoopRounds:
     """The rounds of a loop: their count, the H of the one in progress and the timings that choose the next."""
 
-    def __init__(self, config: TrainConfig, lr: Callable[[], float], shards: WorkerShards | None = None) -> None:
-        self.fixed = config.first_sync_every
+    def __init__(
+        self,
+        first: int,
+        auto: AutoSyncEvery | None,
+        lr: Callable[[], float],
+        shards: WorkerShards | None = None,
+    ) -> None:
+        self.fixed = first  # H of the first round; every round's, without an auto rule
         self.lr = lr  # the inner optimizer's lr as the loop's schedule set it (the coming round's)
         self.shards = shards  # a sharded worker's shards decide (and record) from the whole worker's figures
-        self.auto = auto_sync_every(config)  # None: H stays fixed
+        self.auto = auto  # None: H stays fixed
         self.count = 0  # rounds ended since the start
         self.last: SyncDecision | None = None  # the last round's H decision (or figures, for a fixed H)
         self.started = time.perf_counter()

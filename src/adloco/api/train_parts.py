@@ -74,7 +74,7 @@ def train_parts(overrides: Sequence[str] = (), worker: int = 0, workers: int = 1
 
     config = build_config(overrides=list(overrides))
     _, task = tokenizer_and_task(config, None)
-    device = resolve_device(config)
+    device, config.precision = resolve_device(config.device, config.precision, config.tf32)
     model = task.build_model(config.seed).to(device)
     optimizer = inner_optimizer(model, config.inner, adamw_kernel(device))
     return TrainParts(config, task, model, optimizer, task.worker_stream(config.seed, worker, workers))

@@ -18,7 +18,7 @@ from adloco.workers.reports import exchange_time
 if TYPE_CHECKING:
     from adloco.algorithms.batch_tests import GradientStatistics
     from adloco.batch.pace import CostModel, Pace
-    from adloco.config import BatchConfig, TrainConfig
+    from adloco.config import BatchConfig, StreamingConfig, SyncAutoConfig
     from adloco.sync import RoundState
     from adloco.sync.trainer import Trainer
 
@@ -181,17 +181,20 @@ def next_sync_every(
     return SyncDecision(current, math.nan, "fixed", step_seconds, exchange_seconds, exposed, math.nan, spread)
 
 
-def auto_sync_every(config: TrainConfig) -> AutoSyncEvery | None:
-    """The rule that chooses H while training (``sync_every=auto``), from the config's ``sync_auto`` section."""
-    if not config.auto_sync:
+def auto_sync_every(
+    sync_every: int | str | None, auto: SyncAutoConfig, streaming: StreamingConfig, workers: int | None
+) -> AutoSyncEvery | None:
+    """The rule that chooses H while training when ``sync_every`` is auto (None: H stays fixed), from the
+    ``sync_auto`` section; H stays a multiple of streaming's fragments and the drift scale falls with the
+    ``workers`` of a trainer."""
+    if sync_every != "auto":
         return None
-    auto = config.sync_auto
-    low, high = config.sync_bounds
+    low, high = auto.bounds(streaming.fragments)
     # Streaming with α > 0 keeps part of each worker's own drift after a sync, by design: its workers' Δ differ
     # by more than noise every round, so there the dispersion is recorded but does not shrink H.
-    guard = auto.max_dispersion if not config.streaming.alpha else math.inf
-    assert config.workers is not None
-    drift = drift_for_workers(auto.drift_steps, config.workers, auto.workers_power)
-    return AutoSyncEvery(low=low, high=high, start=config.first_sync_every, drift_steps=drift,
-                         max_dispersion=guard, multiple=config.streaming.fragments or 1,
+    guard = auto.max_dispersion if not streaming.alpha else math.inf
+    assert workers is not None
+    drift = drift_for_workers(auto.drift_steps, workers, auto.workers_power)
+    return AutoSyncEvery(low=low, high=high, start=auto.first(streaming.fragments), drift_steps=drift,
+                         max_dispersion=guard, multiple=streaming.fragments or 1,
                          lr_stretch=auto.lr_stretch, lr_power=auto.lr_power)  # fmt: skip

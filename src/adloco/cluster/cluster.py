@@ -27,7 +27,7 @@ from adloco.cluster.placement import placement, rank_placement
 from adloco.cluster.round_end import RoundEnd, ShardSum
 from adloco.cluster.trainers import MergeEvent
 from adloco.comm.base import Communicator
-from adloco.config import ConfigError, TrainConfig
+from adloco.config import BatchConfig, ConfigError, InnerConfig, TrainConfig
 from adloco.config.methods import METHODS
 from adloco.sync import RoundState, SyncSettings, SyncStrategy, WorkerRound, build_strategy, outer_factory
 from adloco.sync.streaming import parameter_fragments
@@ -77,20 +77,24 @@ def cuda_budget(memory_fraction: float, capacity_bytes: int, workers_on_device: 
 
 
 def resolve_b_max(
-    config: TrainConfig,
+    batch: BatchConfig,
     model: torch.nn.Module,
     context: int,
     vocab_size: int,
     task: Task | None = None,
     workers_on_device: int = 1,
+    *,
+    shards: int = 1,
+    precision: str = "auto",
 ) -> int:
-    """b_max from the config, or probed with real steps (of ``task``'s batches and loss): on CUDA under each
-    worker's share of ``batch.memory.fraction`` of the device, on CPU under ``batch.memory.budget_mb`` of process
-    memory (without a budget a CPU worker is limited by b_cap)."""
-    batch, memory = config.batch, config.batch.memory
+    """b_max from the batch section, or probed with real steps (of ``task``'s batches and loss, in ``precision``): on
+    CUDA under each worker's share of ``batch.memory.fraction`` of the device, on CPU under ``batch.memory.budget_mb``
+    of process memory (without a budget a CPU worker is limited by b_cap). Workers sharded over ``shards`` ranks are
+    not probed."""
+    memory = batch.memory
     if memory.b_max is not None:
         return memory.b_max
-    if config.shards > 1:  # a probe would hold the whole model on one device, and its shards would have to agree
+    if shards > 1:  # a probe would hold the whole model on one device, and its shards would have to agree
         log.info(
             "sharded workers: no b_max probe; micro-batches of up to batch.b_cap=%d (set batch.memory.b_max)",
             batch.b_cap,
@@ -105,7 +109,7 @@ def resolve_b_max(
         meter, budget = ProcessMemoryMeter(), int(memory.budget_mb * 2**20)
     else:
         return batch.b_cap
-    step = training_step_at(model, context, vocab_size, task, config.precision)
+    step = training_step_at(model, context, vocab_size, task, precision)
     found = probe_b_max(step, meter, budget, upper=batch.b_cap)
     if found == 0:
         raise ConfigError(f"batch: not even one sample fits in {budget / 2**20:.0f} MiB at context {context}")
@@ -151,8 +155,9 @@ class Cluster:
         self.costs = self._cost_model(template) if timed else pinned_costs(config.batch.time, self.worker_rank)
         shape = (config.total_workers, config.first_sync_every, self.context)
         cross_worker = partial(_cross_worker, comm, self.workers)
+        auto = auto_sync_every(config.sync_every, config.sync_auto, config.streaming, config.workers)
         self.batches = RoundBatches(config.batch, self.trainers, self.b_max, self.costs, shape, self.collect_statistics,
-                                    self.worker_rank, cross_worker, auto_sync_every(config))  # fmt: skip
+                                    self.worker_rank, cross_worker, auto)  # fmt: skip
         self.round_end = RoundEnd(self.sync, comm, self.trainers, partial(_restart, self.workers), _shard_sum(comm))
         self.overhead_seconds = math.nan  # this rank's last round: wall time not spent computing steps
         # and its time between rounds before that one (evaluation, records: a peer waits for it at the exchange)
@@ -188,7 +193,8 @@ class Cluster:
             if b_max is None:
                 on_device = template.to(self.device) if config.shards == 1 else template  # never whole on a device
                 here = sum(rank == self.comm.rank for rank in self.worker_rank.values())  # all on this device
-                b_max = resolve_b_max(config, on_device, self.context, task.vocab_size, task, here)
+                b_max = resolve_b_max(config.batch, on_device, self.context, task.vocab_size, task, here,
+                                      shards=config.shards, precision=config.precision)  # fmt: skip
                 template = template.cpu()
                 fragments = parameter_fragments(config.streaming, [name for name, _ in template.named_parameters()])
             self.trainers[trainer_id] = self._trainer(trainer_id, template, worker_ids, fragments)
@@ -308,7 +314,8 @@ class Cluster:
         """The round boundary (``RoundEnd``): exchanges and outer steps, the workers' dispersion, batch decisions,
         every trainer's state on every rank, the costs learned and the next round's H."""
         self.batches.round_samples = round_samples
-        self.batches.lr_ratio = lr_ratio(self.config, state.first_step + state.steps, tokens_left)
+        config = self.config
+        self.batches.lr_ratio = lr_ratio(config.inner, config.total_tokens, state.first_step + state.steps, tokens_left)
         self.batches.tokens_left = tokens_left
         return self.round_end(state, self.batches, self.batches)
 
@@ -388,12 +395,12 @@ class Cluster:
         cluster_state.load_state_dict(self, state)
 
 
-def lr_ratio(config: TrainConfig, next_step: int, tokens_left: int | None) -> float:
-    """The inner lr at the next round's start over its peak; 1.0 during the warm-up."""
-    inner = config.inner
+def lr_ratio(inner: InnerConfig, total_tokens: int, next_step: int, tokens_left: int | None) -> float:
+    """The inner lr at the next round's start over its peak; 1.0 during the warm-up. The schedule decays over the
+    run's ``total_tokens``, of which ``tokens_left`` remain."""
     if next_step < inner.warmup_steps:
         return 1.0
-    done = 0.0 if tokens_left is None else 1.0 - tokens_left / config.total_tokens
+    done = 0.0 if tokens_left is None else 1.0 - tokens_left / total_tokens
     return inner_lr(next_step, done, inner.lr, inner.min_lr, inner.warmup_steps) / inner.lr
 
 

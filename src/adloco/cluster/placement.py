@@ -34,10 +34,13 @@ def placement(trainers: int, workers_per_trainer: int) -> dict[int, list[int]]:
     return {k: list(range(k * workers_per_trainer, (k + 1) * workers_per_trainer)) for k in range(trainers)}
 
 
-def hosted_workers(config: TrainConfig, rank: int, world_size: int) -> set[int]:
-    """The workers that global ``rank`` of ``world_size`` hosts (a shard of each when workers are sharded)."""
-    placed = rank_placement(config.total_workers, world_size // config.shards, config.slots_per_rank)
-    return {w for w, r in placed.items() if r == rank // config.shards}
+def hosted_workers(
+    rank: int, world_size: int, *, total_workers: int, slots_per_rank: int | None, shards: int
+) -> set[int]:
+    """The workers that global ``rank`` of ``world_size`` hosts (a shard of each when workers are sharded): a
+    worker's ``shards`` neighbouring ranks count as one rank of the placement."""
+    placed = rank_placement(total_workers, world_size // shards, slots_per_rank)
+    return {w for w, r in placed.items() if r == rank // shards}
 
 
 def check_world(config: TrainConfig, world_size: int, torchrun: bool) -> None:
@@ -98,25 +101,25 @@ def elastic_size(config: TrainConfig, world_size: int, fresh: bool) -> tuple[Tra
     return config.model_copy(update={"workers": workers}), note
 
 
-def resolve_device(config: TrainConfig) -> torch.device:
-    """This rank's device: the CPU, or the CUDA device of its local rank, with the config's matmul settings and
-    ``precision=auto`` decided for it (bf16 on a CUDA GPU that has it, else fp32)."""
+def resolve_device(device: str, precision: str, tf32: bool) -> tuple[torch.device, str]:
+    """This rank's device (the CPU, or the CUDA device of its local rank, with the ``tf32`` matmul setting) and the
+    precision it trains in, ``precision=auto`` decided for it (bf16 on a CUDA GPU that has it, else fp32). The
+    caller records that precision in its config, as config.yaml does: an auto run resumes in what it trained."""
     import os
 
     import torch
 
     from adloco.models.precision import configure_matmuls, resolved_precision
 
-    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
-        if config.precision == "fp16":
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        if precision == "fp16":
             log.warning("precision fp16 on a CPU: float16 matmuls have no fast kernels there; bf16 or fp32 is faster")
-        config.precision = resolved_precision(config.precision, torch.device("cpu"))
-        return torch.device("cpu")
+        cpu = torch.device("cpu")
+        return cpu, resolved_precision(precision, cpu)
     if not torch.cuda.is_available():
         raise ConfigError("device: cuda was asked for but no CUDA device is available")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    configure_matmuls(device, config.tf32)
-    config.precision = resolved_precision(config.precision, device)
-    return device
+    cuda = torch.device("cuda", local_rank)
+    configure_matmuls(cuda, tf32)
+    return cuda, resolved_precision(precision, cuda)

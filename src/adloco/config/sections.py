@@ -321,6 +321,18 @@ class SyncAutoConfig(_Section):
         "share a direction up to noise).",
     )
 
+    def bounds(self, fragments: int | None) -> tuple[int, int]:
+        """The H auto may choose: ``min`` up and ``max`` down to multiples of streaming's ``fragments`` (each
+        fragment syncs once per round)."""
+        p = fragments or 1
+        return -(-self.min // p) * p, max(p, self.max // p * p)
+
+    def first(self, fragments: int | None) -> int:
+        """H of the first round, before any costs are measured: ``start`` within the bounds."""
+        low, high = self.bounds(fragments)
+        p = fragments or 1
+        return min(max(-(-self.start // p) * p, low), high)
+
 
 class FaultToleranceConfig(_Section):
     """Fault-tolerant replicas on torchft (docs/fault-tolerance.md): a round goes on without a replica that died,

@@ -270,17 +270,14 @@ class TrainConfig(BaseModel):
     @property
     def sync_bounds(self) -> tuple[int, int]:
         """The H auto may choose: ``sync_auto.min`` up and ``sync_auto.max`` down to multiples of the fragments."""
-        p = self.streaming.fragments or 1
-        return -(-self.sync_auto.min // p) * p, max(p, self.sync_auto.max // p * p)
+        return self.sync_auto.bounds(self.streaming.fragments)
 
     @property
     def first_sync_every(self) -> int:
         """H of the first round: ``sync_every``, or with auto ``sync_auto.start`` within its bounds."""
         if isinstance(self.sync_every, int):
             return self.sync_every
-        low, high = self.sync_bounds
-        p = self.streaming.fragments or 1
-        return min(max(-(-self.sync_auto.start // p) * p, low), high)
+        return self.sync_auto.first(self.streaming.fragments)
 
     def _check_auto_sync(self) -> None:
         if isinstance(self.sync_every, int) and self.sync_every < 1:

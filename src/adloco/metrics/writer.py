@@ -25,7 +25,7 @@ from adloco.models.precision import peak_flops
 from adloco.units import duration, short_count
 
 if TYPE_CHECKING:
-    from adloco.config import TrainConfig
+    from adloco.config import RunConfig
 
 _MIB = 2**20
 
@@ -232,13 +232,14 @@ class RunDisplay:
         self.lines.update(round_index, tokens, status, force=force)
 
 
-def job_peak_flops(config: TrainConfig, device: torch.device, ranks: int) -> float | None:
+def job_peak_flops(run: RunConfig, precision: str, tf32: bool, device: torch.device, ranks: int) -> float | None:
     """The peak of the job's devices together (one per rank on CUDA; a CPU's run.peak_tflops is the machine's), or
-    None when MFU is not reported; run.mfu=true without a known peak is refused."""
-    if config.run.mfu is False:
+    None when MFU is not reported; run.mfu=true without a known peak is refused. The peak depends on the
+    ``precision`` the steps run in and on ``tf32`` matmuls."""
+    if run.mfu is False:
         return None
-    one = config.run.peak_tflops * 1e12 if config.run.peak_tflops else peak_flops(device, config.precision, config.tf32)
-    if one is None and config.run.mfu:
+    one = run.peak_tflops * 1e12 if run.peak_tflops else peak_flops(device, precision, tf32)
+    if one is None and run.mfu:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "this CPU"
-        raise ConfigError(f"run.mfu: the peak of {name} for {config.precision} is not known; give run.peak_tflops")
+        raise ConfigError(f"run.mfu: the peak of {name} for {precision} is not known; give run.peak_tflops")
     return None if one is None else one * (ranks if device.type == "cuda" else 1)

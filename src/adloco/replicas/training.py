@@ -91,7 +91,8 @@ def train_replica(config: TrainConfig, task: Task, tokenizer: Any, console: Cons
         if config.shards > 1:
             from adloco.replicas.shards import ReplicaShards as Shards
 
-            shards = Shards(config.shards, resolve_device(config), config.comm.timeout_s)
+            device, config.precision = resolve_device(config.device, config.precision, config.tf32)
+            shards = Shards(config.shards, device, config.comm.timeout_s)
         if shards is None or shards.first:
             lock = lock_run(run_dir)
             write_run_config(run_dir, config)
@@ -110,7 +111,7 @@ def train_replica(config: TrainConfig, task: Task, tokenizer: Any, console: Cons
 
 def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, console, shards: ReplicaShards | None) -> dict:
     ft = config.fault_tolerance
-    device = resolve_device(config)
+    device, config.precision = resolve_device(config.device, config.precision, config.tf32)
     model = task.build_model(config.seed)  # on the CPU: a sharded worker's rank holds only its rows on the device
     model = model.to(device) if shards is None else shards.shard(model, device)
     optimizer = _inner_optimizer(model, config, device)

@@ -88,18 +88,22 @@ def check_memory(estimate: MemoryEstimate, available: int | None) -> None:
     )
 
 
-def check_rank_memory(config: TrainConfig, model: torch.nn.Module, context: int, hosted_workers: int) -> None:
-    """Refuse, naming the numbers, a rank whose workers cannot fit in host memory (before anything is made)."""
+def check_rank_memory(
+    model: torch.nn.Module, context: int, hosted_workers: int, *, trainers: int | None, batch_size: int, shards: int
+) -> None:
+    """Refuse, naming the numbers, a rank whose workers cannot fit in host memory (before anything is made): its
+    ``hosted_workers`` at ``batch_size`` samples of ``context`` tokens, the ``trainers``' states, a worker's part
+    of ``shards``."""
     settings = getattr(model, "config", None)
     estimate = estimate_memory(
         parameters=sum(p.numel() for p in model.parameters()),
         workers=hosted_workers,
-        trainers=config.trainers or 1,
-        batch=config.batch.size,
+        trainers=trainers or 1,
+        batch=batch_size,
         context=context,
         hidden=int(getattr(settings, "hidden_size", 0) or 0),
         layers=int(getattr(settings, "num_hidden_layers", 0) or 0),
-        shards=config.shards,
+        shards=shards,
     )
     check_memory(estimate, available_memory())
 
@@ -114,21 +118,21 @@ def check_inputs(config: TrainConfig, resume: Path | None = None) -> None:
 
     if config.fault_tolerance.lighthouse is None:  # a replica's world and run directory are its own
         check_world(config, world_size_from_env(), launched_by_torchrun())
-        check_run_root(config, resume)
+        check_run_root(config.run.root, resume)
     if config.task == "lm":
         preset = PRESETS.get(config.model.preset or "")
         check_data(config.data, config.model.context or (preset[5] if preset else None))
 
 
-def check_run_root(config: TrainConfig, resume: Path | None) -> None:
-    """A run to resume holds a checkpoint; a new one can be made under ``run.root`` (its nearest existing folder
+def check_run_root(run_root: str | Path, resume: Path | None) -> None:
+    """A run to resume holds a checkpoint; a new one can be made under ``run_root`` (its nearest existing folder
     is a folder this process may write in)."""
     from adloco.checkpoint.names import check_resumable
 
     if resume is not None:
         check_resumable(resume)
         return
-    root = Path(config.run.root)
+    root = Path(run_root)
     existing = next((p for p in (root, *root.parents) if p.exists()), Path("."))
     problem = "a file" if not existing.is_dir() else "" if os.access(existing, os.W_OK | os.X_OK) else "not writable"
     if problem:

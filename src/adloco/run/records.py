@@ -83,7 +83,7 @@ def advance(run: RunState, plan: RoundPlan, report: RoundReport) -> list[dict]:
                 "round": plan.index + 1,
                 "step": counters["step"],
                 "loss": losses,
-                "lr": plan.lr_at(run.config, step),
+                "lr": plan.lr_at(run.config.inner, run.config.total_tokens, step),
                 "tokens": counters["tokens"],
             }
         )

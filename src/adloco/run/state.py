@@ -12,7 +12,7 @@ import torch
 from adloco.algorithms.schedules import inner_lr
 from adloco.cluster.cluster import Cluster, MergeEvent
 from adloco.comm.base import Communicator
-from adloco.config import TrainConfig
+from adloco.config import InnerConfig, TrainConfig
 from adloco.metrics.writer import MetricsWriter
 from adloco.workers.tasks import Task
 
@@ -72,7 +72,7 @@ class RoundPlan:
     samples: dict[int, int] = field(default_factory=dict)  # each worker's samples per step in the round
     sync_every: int = 0  # the round's H (steps is less where the budget cuts the last round short)
 
-    def lr_at(self, config: TrainConfig, step: int) -> float:
-        fraction = (self.tokens_before + step * self.per_step) / config.total_tokens
-        inner = config.inner
+    def lr_at(self, inner: InnerConfig, total_tokens: int, step: int) -> float:
+        """The inner lr at ``step`` of this round: the schedule decays over the run's ``total_tokens``."""
+        fraction = (self.tokens_before + step * self.per_step) / total_tokens
         return inner_lr(self.first_step + step, fraction, inner.lr, inner.min_lr, inner.warmup_steps)

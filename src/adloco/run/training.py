@@ -155,8 +155,9 @@ def train(
 
 def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
     config, resized = elastic_size(config, comm.world_size, fresh=resume is None and restart_attempt() == 0)
-    device = resolve_device(config)
-    job_peak_flops(config, device, comm.world_size)  # run.mfu=true on a device of unknown peak: refused now
+    device, config.precision = resolve_device(config.device, config.precision, config.tf32)  # config.yaml records it
+    # run.mfu=true on a device of unknown peak: refused now
+    job_peak_flops(config.run, config.precision, config.tf32, device, comm.world_size)
     theta_device(config.outer.device, device, 0, user_loop=False)  # outer.device=cuda without one: refused now
     if config.compile:
         check_compile(device)
@@ -169,8 +170,11 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
         again = Path(restart[1])
     tokenizer, run_task = tokenizer_and_task(config, resume)
     if device.type == "cpu":  # a GPU's own limit is b_max's business (resolve_b_max probes it)
-        workers_here = len(hosted_workers(config, comm.rank, comm.world_size))  # a shard of each when sharded
-        check_rank_memory(config, run_task.build_skeleton(), run_task.context, workers_here)
+        hosted = hosted_workers(comm.rank, comm.world_size, total_workers=config.total_workers,
+                                slots_per_rank=config.slots_per_rank, shards=config.shards)  # fmt: skip
+        workers_here = len(hosted)  # a shard of each when sharded
+        check_rank_memory(run_task.build_skeleton(), run_task.context, workers_here, trainers=config.trainers,
+                          batch_size=config.batch.size, shards=config.shards)  # fmt: skip
     lock, run_dir = claim_run_dir(config, resume, again, comm)
     if comm.rank == 0 and resume is None:
         save_tokenizer(tokenizer, run_dir / SAVED_DIR)
@@ -219,7 +223,7 @@ def tokenizer_and_task(config: TrainConfig, resume: Path | None) -> tuple:
     """The run's tokenizer and task; a resumed run reloads the tokenizer it saved (a BPE is never trained twice)."""
     saved = resume / SAVED_DIR if resume is not None and config.data.tokenizer != "byte" else None
     if config.task == "classification":
-        tokenizer = build_tokenizer(config.data, classification_texts(config), saved)
+        tokenizer = build_tokenizer(config.data, classification_texts(config.data), saved)
         return tokenizer, build_task(config, tokenizer)
     # token files were tokenized already: their tokenizer is the one that wrote them, nothing is read to train one
     source = None if names_token_files(config.data.dataset) else source_from_config(config.data)
@@ -236,7 +240,8 @@ def _resume_from(
     """The newest intact checkpoint, after checking that only resume-safe settings changed since it was written.
     Each rank keeps the workers it hosts (and those an elastic resize retires, whose streams every rank keeps), and
     its shard of them, cut anew if the checkpoint has another shard count."""
-    hosted = hosted_workers(config, comm.rank, comm.world_size)
+    hosted = hosted_workers(comm.rank, comm.world_size, total_workers=config.total_workers,
+                            slots_per_rank=config.slots_per_rank, shards=config.shards)  # fmt: skip
 
     def wanted(worker_id: int) -> bool:
         return worker_id in hosted or worker_id >= config.total_workers
@@ -300,7 +305,7 @@ def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, conso
             report = run.cluster.run_round(
                 plan.index,
                 plan.steps,
-                lambda step, plan=plan: plan.lr_at(config, step),
+                lambda step, plan=plan: plan.lr_at(config.inner, config.total_tokens, step),
                 lambda step, plan=plan: _after_step(run, plan, step, display, stop),
                 first_step=plan.first_step,
                 ask=lambda: BoundaryRequest(stop_signal=stop.requested or 0, checkpoint=_checkpoint_time_due(run)),
@@ -393,7 +398,7 @@ def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> RunSt
         started=time.perf_counter() - counters["seconds"],
         last_checkpoint=checkpoint["round"] if checkpoint is not None else None,
         flops_per_token=flops_per_token_of(run_task.build_skeleton(), cluster.context),
-        peak_flops=job_peak_flops(config, device, comm.world_size),
+        peak_flops=job_peak_flops(config.run, config.precision, config.tf32, device, comm.world_size),
     )
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from adloco.config import ConfigError, TrainConfig
+from adloco.config import ConfigError, DataConfig, TrainConfig
 from adloco.data import BUNDLED, DataError, Tokenizer, spread
 from adloco.data.labelled import LabelledRows, LabelledSplit, SampleStream, label_names, read_labelled, split_rows
 from adloco.models.build import ModelSpec, classification_loss, max_positions, next_token_loss, resolve_model
@@ -204,8 +204,7 @@ def _pad_id(tokenizer: Tokenizer) -> int:
     return 0
 
 
-def _labelled_splits(config: TrainConfig) -> tuple[LabelledRows, LabelledRows]:
-    data = config.data
+def _labelled_splits(data: DataConfig) -> tuple[LabelledRows, LabelledRows]:
     if data.dataset in BUNDLED:
         raise DataError(
             f"task=classification needs a labelled file in data.dataset (jsonl or csv with "
@@ -217,9 +216,9 @@ def _labelled_splits(config: TrainConfig) -> tuple[LabelledRows, LabelledRows]:
     return split_rows(rows, data.val_fraction)
 
 
-def classification_texts(config: TrainConfig) -> Iterator[str]:
-    """The training texts of a classification run, read when a tokenizer has to be trained on them."""
-    yield from _labelled_splits(config)[0].texts
+def classification_texts(data: DataConfig) -> Iterator[str]:
+    """The training texts of a classification run's ``data``, read when a tokenizer has to be trained on them."""
+    yield from _labelled_splits(data)[0].texts
 
 
 def build_task(
@@ -243,7 +242,7 @@ def build_task(
             raise ValueError("build_task: task=lm needs load_corpus")
         return LanguageModelling(spec, load_corpus(spec.context), config.seed)
 
-    train_rows, val_rows = _labelled_splits(config)
+    train_rows, val_rows = _labelled_splits(config.data)
     labels = label_names(train_rows, val_rows)
     pad_id = _pad_id(tokenizer)
     if model_config is None:

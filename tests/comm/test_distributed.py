@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,16 +73,23 @@ def _torchrun(ranks: int, args: list[str], cwd, timeout=240) -> subprocess.Compl
     return result
 
 
+@pytest.fixture(scope="module")
+def diloco_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run directory of DILOCO in this process, one rank hosting its 4 workers: the reference the two-rank
+    jobs of DILOCO are compared with, trained once for all of them (only read)."""
+    root = tmp_path_factory.mktemp("diloco-reference")
+    return train(build_config(overrides=[*DILOCO, f"run.root={root}", "run.name=local"])).run_dir
+
+
 @pytest.mark.process
-def test_diloco_two_ranks_of_two_slots_equal_one_rank_of_four(tmp_path):
-    local = train(build_config(overrides=[*DILOCO, f"run.root={tmp_path}", "run.name=local"]))
+def test_diloco_two_ranks_of_two_slots_equal_one_rank_of_four(tmp_path, diloco_reference):
     result = _torchrun(2, [*DILOCO, f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
     assert result.stdout.count("final validation loss") == 1  # rank 0 speaks for the job
-    assert same_params(final_params(local.run_dir), final_params(tmp_path / "dist"))
+    assert same_params(final_params(diloco_reference), final_params(tmp_path / "dist"))
     rounds = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "round"]
     assert [r["rank"] for r in rounds[0]["ranks"]] == [0, 1]
     assert all(r["wire_bytes"] > 0 and r["comm_seconds"] >= 0 for r in rounds[0]["ranks"])
-    local_rounds = [r for r in read_metrics(local.run_dir / "metrics.jsonl") if r["kind"] == "round"]
+    local_rounds = [r for r in read_metrics(diloco_reference / "metrics.jsonl") if r["kind"] == "round"]
     assert [r["bytes"] for r in rounds] == [r["bytes"] for r in local_rounds]
 
 
@@ -233,11 +241,10 @@ def test_streaming_with_a_codec_and_muon_matches_in_process(tmp_path):
 
 
 @pytest.mark.process
-def test_allreduce_mode_agrees_with_the_exact_sum(tmp_path):
+def test_allreduce_mode_agrees_with_the_exact_sum(tmp_path, diloco_reference):
     """comm.reduce=allreduce pre-sums a rank's slots and all-reduces: same result up to summation order."""
-    local = train(build_config(overrides=[*DILOCO, f"run.root={tmp_path}", "run.name=local"]))
     _torchrun(2, [*DILOCO, f"run.root={tmp_path}", "run.name=dist", "comm.reduce=allreduce"], cwd=tmp_path)
-    expected, got = final_params(local.run_dir), final_params(tmp_path / "dist")
+    expected, got = final_params(diloco_reference), final_params(tmp_path / "dist")
     assert all(torch.allclose(expected[k], got[k], atol=1e-5, rtol=1e-4) for k in expected)
     rounds = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "round"]
     params = sum(t.numel() for t in got.values())

@@ -38,17 +38,14 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import ROOT, torchrun
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ when imported from elsewhere (tests)
-from common import ROOT, torchrun  # noqa: E402 - after the path
 
 RESULTS = ROOT / "benchmarks" / "results" / "own_loop_cost.json"
 DOC = ROOT / "docs" / "own-loop.md"

@@ -1,14 +1,7 @@
 """benchmarks/gpu.py --quick: the GPU benchmark's code paths (bare loop, adloco's rows, MFU, the table) on the CPU."""
 
-import sys
-from pathlib import Path
-
+import gpu
 import pytest
-
-_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(_BENCHMARKS))  # the benchmark imports its siblings as a script would
-
-import gpu  # noqa: E402 - after the path
 
 
 @pytest.mark.training

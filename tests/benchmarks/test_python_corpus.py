@@ -2,15 +2,12 @@
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 
-_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(_BENCHMARKS))
-import python_corpus  # noqa: E402
+import python_corpus
 
-from adloco import build_config  # noqa: E402
-from adloco.data import source_from_config  # noqa: E402
+from adloco import build_config
+from adloco.data import source_from_config
 
 
 def _fake_stdlib(root: Path) -> Path:

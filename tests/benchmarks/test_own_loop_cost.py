@@ -1,15 +1,9 @@
 """benchmarks/own_loop_cost.py: the summary's arithmetic, the table, and --quick end to end (bare, adloco, torchft)."""
 
 import json
-import sys
-from pathlib import Path
 
+import own_loop_cost as bench
 import pytest
-
-_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(_BENCHMARKS))  # the benchmark imports its siblings as a script would
-
-import own_loop_cost as bench  # noqa: E402 - after the path
 
 
 def _run(step: float, optimizer: float, sync: tuple[float, float], rounds: int = 3, h: int = 2) -> dict:

@@ -1,15 +1,10 @@
 """benchmarks/throughput.py: what it runs, how it times a run, and what it reports."""
 
 import json
-import sys
-from pathlib import Path
+
+import throughput
 
 from adloco import build_config
-
-_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(_BENCHMARKS))  # throughput imports its siblings as a script would
-
-import throughput  # noqa: E402 - after the path
 
 
 def test_every_cell_compares_one_worker_with_the_same_batch_one_by_one_and_stacked():

@@ -2,13 +2,9 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(_BENCHMARKS))  # slow_rank imports its sibling link.py as a script would
-import slow_rank  # noqa: E402
+import slow_rank
 
 
 def _round(index, seconds, wait, exchanges):

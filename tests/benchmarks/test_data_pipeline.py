@@ -1,16 +1,9 @@
 """The data pipeline benchmark's own code, run small: a synthetic prepared folder, throughput, resume, the table."""
 
-import sys
-from pathlib import Path
-
+import data_pipeline
 import numpy as np
 
 from adloco.data.token_files import open_token_source
-
-_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(_BENCHMARKS))  # the benchmark imports its siblings as a script would
-
-import data_pipeline  # noqa: E402 - after the path
 
 
 def test_the_benchmark_measures_what_training_reads_and_renders_its_table(tmp_path):

@@ -1,0 +1,1 @@
+"""Tests of the benchmarks in benchmarks/ (pytest puts that folder on the import path: pyproject.toml)."""

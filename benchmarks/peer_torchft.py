@@ -39,10 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ when imported from elsewhere (tests)
-from common import free_port  # noqa: E402 - after the path
-from link import machine, publish  # noqa: E402
+from common import free_port
+from link import machine, publish
 
 from adloco.config.input import layered
 

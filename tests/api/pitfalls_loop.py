@@ -1,4 +1,4 @@
-"""Two torchrun ranks running a tiny loop the way a new user might, one scenario per launch (issue 53, part 5).
+"""Two torchrun ranks running a tiny loop the way a new user might, scenario after scenario (issue 53, part 5).
 
 Run by tests/api/test_own_loop_pitfalls.py: ``python -m torch.distributed.run --nproc_per_node=2 ...
 pitfalls_loop.py OUT SCENARIO [SCENARIO ...]``. Each rank writes what it saw in each scenario (its error's text, the
@@ -200,6 +200,7 @@ def main(out: str, scenarios: list[str]) -> None:
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     for scenario in scenarios:
+        print(f"rank {rank}: scenario {scenario}", file=sys.stderr, flush=True)  # a crash's output names it
         found = run(scenario, rank, folder)
         (folder / f"{scenario}.rank{rank}.json").write_text(json.dumps(found))
     end_process_group()

@@ -27,7 +27,11 @@ def _launch(folder: Path, scenarios: list[str]) -> dict[str, list[dict]]:
     """What each of two torchrun ranks saw running ``scenarios`` of pitfalls_loop.py, by scenario."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={_free_port()}", str(SCRIPT), str(folder), *scenarios]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, cwd=folder.parent, timeout=300, env=_env())
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, cwd=folder.parent, timeout=300, env=_env())
+    except subprocess.TimeoutExpired:
+        stuck = next(s for s in scenarios if not list(folder.glob(f"{s}.rank*.json")))
+        raise AssertionError(f"the launch hung in scenario {stuck} (or left the group broken for it)") from None
     assert result.returncode == 0, result.stderr[-3000:]
     return {s: [json.loads((folder / f"{s}.rank{r}.json").read_text()) for r in range(2)] for s in scenarios}
 

@@ -174,12 +174,14 @@ class DeltaExchange:
         payloads = {w: self._encode(key, w, delta, w in out) for w, delta in local.items()}
         like = [trainer.theta[i] for i in fragment]  # Δ's shapes, where this rank sent none
         numel = sum(t.numel() for t in like)
+        codec = self.codec  # the callback runs on gloo's thread: it must hold no group handle (not this object)
+        assert codec is not None
 
         def decode(done: Future) -> Exchanged:
             gathered: Gathered = done.wait()
-            assert gathered.rows is not None and self.codec is not None
+            assert gathered.rows is not None
             encoded = [Encoded(codes=c, scales=s if s.numel() else None, numel=numel) for c, s in gathered.rows]
-            flat = decode_and_average(encoded, self.codec, divisor=divisor(gathered))
+            flat = decode_and_average(encoded, codec, divisor=divisor(gathered))
             return _exchanged(unflatten(flat, like), gathered, reported, width, device, len(trainer.worker_ids))
 
         return self.comm.gather_with_reports(payloads, rows, trainer.worker_ids).then(decode)

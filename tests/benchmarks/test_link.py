@@ -11,7 +11,7 @@ import pytest
 
 from adloco import build_config, train
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "link.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "link.py"
 _spec = importlib.util.spec_from_file_location("adloco_link_benchmark", _PATH)
 link = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = link  # dataclasses look their module up by name

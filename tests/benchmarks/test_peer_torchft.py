@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_torchft.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "peer_torchft.py"
 _spec = importlib.util.spec_from_file_location("adloco_peer_benchmark", _PATH)
 peer = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = peer

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _load(name: str):

@@ -308,9 +308,8 @@ class DiLoCo(LoopState):
             if state.statistics_due and steps and record.statistics is None and not record.out:
                 self._unmeasured()
             self._batch.stamp(state, self.rank, steps)
-        self.rounds.stamp(record, steps)
+        self.rounds.stamp(record, steps, self._round_end.exchange_seconds)
         self._round_end(state, self._batch, self.rounds)
-        self.rounds.exchange_seconds = self._round_end.exchange_seconds  # the next round's reports carry it
         self._merge_if_due(state)  # after H is chosen, as adloco train's merges
         self.last_round = state
         self._state = self._new_round()

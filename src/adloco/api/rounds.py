@@ -39,7 +39,6 @@ class LoopRounds:
         self.count = 0  # rounds ended since the start
         self.last: SyncDecision | None = None  # the last round's H decision (or figures, for a fixed H)
         self.started = time.perf_counter()
-        self.exchange_seconds = math.nan  # the last round boundary's wall time: its exposed exchange
         # the inner lr of the coming round over its peak: H grows as it falls. None: read off the optimizer's lr
         # at each round's end against the highest it has had (a warm-up rising to its peak reads as 1)
         self.lr_ratio: float | None = None
@@ -53,13 +52,14 @@ class LoopRounds:
     def start(self) -> None:
         self.started = time.perf_counter()
 
-    def stamp(self, record: WorkerRound, steps: int) -> None:
+    def stamp(self, record: WorkerRound, steps: int, exchange_seconds: float) -> None:
         """The round's wall time per step (everything the loop does between exchanges) and the last boundary's
-        exchange time into this worker's report; a batch policy's own step timings stand."""
+        exchange time (``exchange_seconds``, its exposed exchange) into this worker's report; a batch policy's own
+        step timings stand."""
         if math.isnan(record.step_seconds):
             record.step_seconds = (time.perf_counter() - self.started) / max(steps, 1)
         if math.isnan(record.overhead_seconds) or self.auto is not None:
-            record.overhead_seconds = self.exchange_seconds
+            record.overhead_seconds = exchange_seconds
 
     def ratio(self, lr: float) -> float:
         """The inner lr ``lr`` over the highest it has had (``lr_ratio`` where the loop gives it)."""

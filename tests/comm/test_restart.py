@@ -17,7 +17,7 @@ from adloco.comm.local import LocalCommunicator
 from adloco.config import ConfigError, build_config
 from adloco.metrics.writer import read_metrics
 from adloco.run.directory import JOBS_DIR, restart_plan
-from adloco.run.training import train
+from adloco.run.training import run_identity, train
 from tests.comm.crash_launch import CRASH_AFTER_STEP, CRASH_RANK
 from tests.conftest import final_params, same_params
 
@@ -197,7 +197,7 @@ def test_a_restart_with_another_world_size_resumes_only_an_elastic_job(tmp_path,
     # train resolves precision=auto for its device before it asks
     _, smaller.precision = resolve_device(smaller.device, smaller.precision, smaller.tf32)
     if elastic:
-        assert restart_plan(smaller) == ("resume", str(first.resolve()))
+        assert restart_plan(run_identity(smaller)) == ("resume", str(first.resolve()))
     else:
         with pytest.raises(ConfigError, match="started with another configuration"):
-            restart_plan(smaller)
+            restart_plan(run_identity(smaller))

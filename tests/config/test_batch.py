@@ -210,7 +210,7 @@ def test_a_dict_given_to_diloco_takes_the_old_names_with_a_note():
         diloco = DiLoCo(model, optimizer, 2, "adloco", batch={"size": 2, "eta": 0.7, "b_max": 1})
     assert _notes(notes) == [_note("eta"), _note("b_max")]
     assert notes[0].filename == __file__  # the user's DiLoCo(...) line, not adloco's or pydantic's
-    batch = diloco.config.batch
+    batch = diloco.settings.batch
     assert (batch.statistics.eta, batch.memory.b_max) == (0.7, 1)
     assert diloco.batch.plan.sizes == (1,)  # b_max=1 reached the object that plans micro-batches (switch mode)
     with pytest.raises(ConfigError, match="give batch.time.patience only"):

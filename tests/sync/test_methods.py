@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import adloco
-from adloco.api.diloco import loop_settings
+from adloco.api.settings import loop_settings
 from adloco.api.train_parts import method_sections
 from adloco.cluster.cluster import Cluster
 from adloco.comm.local import LocalCommunicator
@@ -119,9 +119,9 @@ def test_the_methods_config_api_replicas_estimate_and_docs_know_are_the_registry
     assert table in configuration_markdown()
     task = SimpleNamespace(context=16)
     for name, method in METHODS.items():
-        config = loop_settings(name, 4, 2, {})  # a user's loop: the same methods, validated as adloco train does
-        assert config.method == name
-        assert _syncs_per_round(build_config({"method": name, "sync_every": 6})) == (6 if method.every_step else 1)
+        assert loop_settings(name, 4, 2, {}).method == name  # a user's loop: validated as adloco train does
+        config = build_config({"method": name, "sync_every": 6})
+        assert _syncs_per_round(config) == (6 if method.every_step else 1)
         own = method_sections(config, task.context)
         assert set(own) == set(method.sections) | ({"total_samples"} if method.adaptive_batch else set())
         assert set(own) <= set(_sections(config, task))  # a replica hands DiLoCo the method's sections too

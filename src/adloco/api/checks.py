@@ -13,22 +13,22 @@ import torch
 
 from adloco.api.finish_line import FinishLine
 from adloco.api.rounds import LoopRounds
+from adloco.api.settings import LoopSettings
 from adloco.api.worker import WorkerShards
 from adloco.comm.base import Communicator
-from adloco.config import TrainConfig
 
 
 def job_fingerprint(
-    config: TrainConfig, rows: Sequence[torch.Tensor], shards: WorkerShards | None, check_finite: bool
+    settings: LoopSettings, rows: Sequence[torch.Tensor], shards: WorkerShards | None, check_finite: bool
 ) -> dict[str, float]:
     """What every rank must agree on, as it decides which collectives run, each under its name: the method, H,
     fragments, codec, batch, trainers and merges, the health checks, each rank's model shapes and dtypes and which
     shard of its worker it holds (the ranks that exchange hold the same rows of different workers)."""
-    batch = (config.batch.size, config.batch.test, config.batch.controller, config.batch.memory.b_max)
-    merge = (config.trainers, config.merge.policy, config.merge.every, config.merge.group_size)
-    codec = (config.codec.name, config.codec.density, config.codec.value_bits, config.codec.chunk_size)
-    settings = {"method": config.method, "sync_every": config.sync_every, "streaming.fragments":
-                config.streaming.fragments, "codec": codec, "batch": batch, "trainers and merge": merge,
+    batch = (settings.batch.size, settings.batch.test, settings.batch.controller, settings.batch.memory.b_max)
+    merge = (settings.trainers, settings.merge.policy, settings.merge.every, settings.merge.group_size)
+    codec = (settings.codec.name, settings.codec.density, settings.codec.value_bits, settings.codec.chunk_size)
+    settings = {"method": settings.method, "sync_every": settings.sync_every, "streaming.fragments":
+                settings.streaming.fragments, "codec": codec, "batch": batch, "trainers and merge": merge,
                 "check_finite": check_finite}  # fmt: skip
     model = tuple((tuple(p.shape), str(p.dtype)) for p in rows)
     shard = (1, 0) if shards is None else (shards.count, shards.index)

@@ -35,6 +35,7 @@ from adloco.api.finish_line import FinishLine, WatchedCommunicator
 from adloco.api.loop_state import LoopState
 from adloco.api.replica import Replica
 from adloco.api.rounds import LoopRounds, first_group_lr
+from adloco.api.settings import LoopSettings, loop_settings
 from adloco.api.worker import LoopWorker, WorkerShards, finite, gradient_divisor, worker_shards
 from adloco.batch.policy import TrainerBatch
 from adloco.cluster.batches import auto_sync_every
@@ -44,7 +45,6 @@ from adloco.cluster.trainers import MergeEvent, maybe_merge
 from adloco.comm.base import Communicator
 from adloco.comm.launcher import world_size_from_env
 from adloco.comm.local import LocalCommunicator
-from adloco.config import ConfigError, TrainConfig, build_config
 from adloco.config.methods import METHODS, method_named
 from adloco.sync import (
     RoundState,
@@ -58,19 +58,6 @@ from adloco.sync import (
 from adloco.sync.streaming import parameter_fragments
 from adloco.sync.trainer import Trainer, theta_device
 from adloco.workers.reports import SKIPPED_STEP
-
-
-def loop_settings(
-    method: str, sync_every: int, world_size: int, sections: dict[str, Any], trainers: int = 1
-) -> TrainConfig:
-    """The settings of a user's loop, validated exactly as ``adloco train`` validates its config (the same keys,
-    defaults per method and one-line errors)."""
-    method_named(method)  # an unknown one named first, with the choices
-    if trainers < 1 or world_size % trainers:
-        raise ConfigError(f"trainers: {world_size} rank(s) do not split into {trainers} trainers of as many workers")
-    given = {name: dict(value) for name, value in sections.items() if value is not None}
-    settings = {"method": method, "sync_every": sync_every, "trainers": trainers, "workers": world_size // trainers}
-    return build_config({**settings, **given})
 
 
 class DiLoCo(LoopState):
@@ -129,22 +116,22 @@ class DiLoCo(LoopState):
         check_layout(trainers, self.shards, process_group)  # before anything connects
         self._connect(method, sync_every, sections, trainers, process_group)
         # their count and H (sync_every="auto": chosen at each round's end)
-        config = self.config
-        auto = auto_sync_every(config.sync_every, config.sync_auto, config.streaming, config.workers)
-        self.rounds = LoopRounds(config.first_sync_every, auto, first_group_lr(optimizer), self.shards)
+        settings = self.settings
+        auto = auto_sync_every(settings.sync_every, settings.sync_auto, settings.streaming, settings.workers)
+        self.rounds = LoopRounds(settings.first_sync_every, auto, first_group_lr(optimizer), self.shards)
         self.check_finite = check_finite  # off where a loss scaler already keeps overflowing steps out
         names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.comm.set_placement({w: w for w in range(self.world_size)})
         self.workers = {self.rank: LoopWorker(self.rank, self.params)}
         if self.replica is None:  # replicas compare their settings when one heals from another
-            fingerprint = job_fingerprint(self.config, self.workers[self.rank].params, self.shards, check_finite)
+            fingerprint = job_fingerprint(self.settings, self.workers[self.rank].params, self.shards, check_finite)
             check_same_job(self.comm, self.rank, fingerprint)
         self._start_trainers(names, outer_optimizer, adaptive)
         self.merges: list[MergeEvent] = []  # the merges of several trainers, as they happened
         self._batch: AdaptiveBatch | None = None  # AdLoCo's adaptive batch (method adloco, or a batch section given)
         if adaptive:
             divisor = 1.0 if self.shards is None else gradient_divisor(model, self.shards)
-            self._batch = AdaptiveBatch(self.config.batch, optimizer, self.params, self.trainers, self.rank,
+            self._batch = AdaptiveBatch(self.settings.batch, optimizer, self.params, self.trainers, self.rank,
                                        self.rounds, total_samples, self.shards, divisor)  # fmt: skip
         shard_sum = None if self.shards is None else partial(_summed_over_shards, self.shards)
         restart = partial(_restart_if_out, optimizer, self.rank)  # nothing in it refers back to this object
@@ -177,8 +164,8 @@ class DiLoCo(LoopState):
         device = local_rows(self.params[0]).device
         self.replica: Replica | None = None
         if sections["fault_tolerance"] is not None:
-            self.config = _replica_settings(method, sync_every, sections, trainers, process_group, self.shards)
-            self.replica = Replica(self.config.fault_tolerance, self._shared_state, self._heal,
+            self.settings = _replica_settings(method, sync_every, sections, trainers, process_group, self.shards)
+            self.replica = Replica(self.settings.fault_tolerance, self._shared_state, self._heal,
                                    lambda: self.rounds.count, device, self.shards)  # fmt: skip
             self.replica.comm.theta_digest = self._theta_digest  # a split job shows in it
             self.replica.comm.keeps_slots = trainers > 1  # the other trainers read the own exchanges' slots
@@ -189,7 +176,7 @@ class DiLoCo(LoopState):
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.global_rank = self.rank if self.replica is not None else _global_rank()
         if self.replica is None:
-            self.config = loop_settings(method, sync_every, self.world_size, sections, trainers)
+            self.settings = loop_settings(method, sync_every, self.world_size, sections, trainers)
 
     def _theta_digest(self) -> int:
         """Every trainer's θ as one number, the same on every replica of a healthy job (each holds them all)."""
@@ -198,13 +185,13 @@ class DiLoCo(LoopState):
     def _start_trainers(self, names: list[str], outer_optimizer: OuterFactory | None, adaptive: bool) -> None:
         """The job's trainers, each from its first worker's parameters and with its exchange group, and the sync
         strategy over them; this rank's worker starts from its trainer's θ."""
-        self.trainers = _trainers(self.config, self.workers[self.rank].params, names, outer_optimizer, adaptive)
+        self.trainers = _trainers(self.settings, self.workers[self.rank].params, names, outer_optimizer, adaptive)
         for trainer in self.trainers.values():
             self.comm.broadcast_tensors(trainer.theta, src=trainer.worker_ids[0])
             self.comm.register_group(trainer.worker_ids)
         self.trainer.broadcast(self.workers)
         self.sync: SyncStrategy = build_strategy(
-            SyncSettings.of(self.config), self.comm, self.trainers, self.workers, outer_optimizer
+            SyncSettings.of(self.settings), self.comm, self.trainers, self.workers, outer_optimizer
         )
 
     # -- the loop ------------------------------------------------------------------------------------------------
@@ -280,9 +267,9 @@ class DiLoCo(LoopState):
     def _after_step(self) -> None:
         self._check_running()
         if len(self._state.local[self.rank].steps) == self.round_step:  # no before_step: nothing to check then
-            if METHODS[self.config.method].every_step:
+            if METHODS[self.settings.method].every_step:
                 raise RuntimeError(
-                    f"method={self.config.method!r} averages gradients before the optimizer step: use `with diloco:`"
+                    f"method={self.settings.method!r} averages gradients before the optimizer step: use `with diloco:`"
                 )
             if self._batch is not None and self._batch.lr_scale != 1.0:
                 raise RuntimeError("the batch's lr factor applies before the optimizer step: use `with diloco:`")
@@ -350,7 +337,7 @@ class DiLoCo(LoopState):
     def _merge_if_due(self, state: RoundState) -> None:
         """AdLoCo's merge of several trainers when one is due (``merge.every`` rounds)."""
         if len(self.trainers) > 1:
-            event = maybe_merge(self.comm, self.trainers, self.workers, self.config.merge, state.index)
+            event = maybe_merge(self.comm, self.trainers, self.workers, self.settings.merge, state.index)
             if event is not None:
                 self.merges.append(event)
 
@@ -472,7 +459,7 @@ def _replica_settings(
     trainers: int,
     process_group: Any,
     shards: WorkerShards | None,
-) -> TrainConfig:
+) -> LoopSettings:
     """The settings of a fault-tolerant replica: one worker per replica (a process, or the ranks of a sharded one),
     the job's size from the section."""
     if process_group is not None:
@@ -490,26 +477,30 @@ def _global_rank() -> int:
 
 
 def _trainers(
-    config: TrainConfig, params: list[torch.Tensor], names: list[str], factory: OuterFactory | None, adaptive: bool
+    settings: LoopSettings,
+    params: list[torch.Tensor],
+    names: list[str],
+    factory: OuterFactory | None,
+    adaptive: bool,
 ) -> dict[int, Trainer]:
     """The job's trainers, each over its workers (trainer k: ranks k·M … k·M + M − 1), θ from ``params`` for now;
     with the adaptive batch each holds its own ``TrainerBatch``, else a constant one (the loop's own batch)."""
-    outer = config.outer
-    assert outer.lr is not None and outer.momentum is not None and config.trainers and config.workers
+    outer = settings.outer
+    assert outer.lr is not None and outer.momentum is not None
     home = theta_device(outer.device, params[0].device, sum(p.numel() for p in params), user_loop=True)
     return {
         k: Trainer(
             k,
             [p.detach().to(home) for p in params],  # this rank's rows of them when the model is sharded
             worker_ids,
-            TrainerBatch.from_config(config.batch)
+            TrainerBatch.from_config(settings.batch)
             if adaptive
             else TrainerBatch(1, BatchSizeController("constant", b_cap=1)),
             outer_lr=outer.lr,
             outer_momentum=outer.momentum,
             nesterov=bool(outer.nesterov),
-            fragments=parameter_fragments(config.streaming, names),
+            fragments=parameter_fragments(settings.streaming, names),
             outer_factory=factory or outer_factory(outer),
         )
-        for k, worker_ids in placement(config.trainers, config.workers).items()
+        for k, worker_ids in placement(settings.trainers, settings.workers).items()
     }

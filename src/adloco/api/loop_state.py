@@ -15,8 +15,8 @@ from adloco.workers.reports import WorkerRound
 
 if TYPE_CHECKING:
     from adloco.api.replica import Replica
+    from adloco.api.settings import LoopSettings
     from adloco.api.worker import WorkerShards
-    from adloco.config import TrainConfig
 
 _STATE_KEY = "adloco_diloco"
 
@@ -37,7 +37,7 @@ class LoopState:
     """The state half of ``adloco.DiLoCo`` (θ, outer state, exchanges in flight, counters, the adaptive batch)."""
 
     # the loop's own attributes, set by DiLoCo
-    config: TrainConfig
+    settings: LoopSettings
     shards: WorkerShards | None
     global_rank: int
     rank: int
@@ -55,7 +55,7 @@ class LoopState:
         state = {
             "inner_step": self.inner_step,
             "world_size": self.world_size,
-            "settings": _settings(self.config, self.shards, self._batch is not None),
+            "settings": _settings(self.settings, self.shards, self._batch is not None),
             "trainers": {k: trainer.state_dict() for k, trainer in self.trainers.items()},
             "pending": self.sync.state_dict(),
             "worker": self.sync.worker_state(self.rank) if own_worker else None,
@@ -95,7 +95,7 @@ class LoopState:
     def _load_payload(self, payload: bytes, check_order: bool = False) -> None:
         device = local_rows(self.params[0]).device
         untouched = check_order and self._holds_construction_theta()  # before θ is replaced below, on every rank
-        settings = _settings(self.config, self.shards, self._batch is not None)
+        settings = _settings(self.settings, self.shards, self._batch is not None)
         where = f"the DiLoCo state of rank {self.global_rank}"
         loaded = torch.load(io.BytesIO(payload), weights_only=True, map_location=onto_device_of_model(device))
         # an older format version is brought up with what only this DiLoCo knows (its settings, H and worker)
@@ -154,18 +154,18 @@ class LoopState:
         return f"{_STATE_KEY}_rank{self.global_rank}"
 
 
-def _settings(config: TrainConfig, shards: WorkerShards | None, adaptive: bool) -> dict[str, Any]:
+def _settings(loop: LoopSettings, shards: WorkerShards | None, adaptive: bool) -> dict[str, Any]:
     """What a saved state only fits: the method, H, the exchange's shape, the trainers and the batch."""
     return {
-        "method": config.method,
-        "sync_every": config.sync_every,
-        "fragments": config.streaming.fragments,
-        "overlap": config.outer.overlap,
-        "outer_optimizer": config.outer.optimizer,
-        "codec": config.codec.name,
-        "error_feedback": config.codec.error_feedback,
+        "method": loop.method,
+        "sync_every": loop.sync_every,
+        "fragments": loop.streaming.fragments,
+        "overlap": loop.outer.overlap,
+        "outer_optimizer": loop.outer.optimizer,
+        "codec": loop.codec.name,
+        "error_feedback": loop.codec.error_feedback,
         "shards": 1 if shards is None else shards.count,
-        "trainers": config.trainers,
-        "merge": (config.merge.policy, config.merge.every, config.merge.group_size),
-        **({"batch": (config.batch.size, config.batch.test, config.batch.controller)} if adaptive else {}),
+        "trainers": loop.trainers,
+        "merge": (loop.merge.policy, loop.merge.every, loop.merge.group_size),
+        **({"batch": (loop.batch.size, loop.batch.test, loop.batch.controller)} if adaptive else {}),
     }

@@ -95,7 +95,7 @@ def train_replica(config: TrainConfig, task: Task, tokenizer: Any, console: Cons
             shards = Shards(config.shards, device, config.comm.timeout_s)
         if shards is None or shards.first:
             lock = lock_run(run_dir)
-            write_run_config(run_dir, config)
+            write_run_config(run_dir, config.to_yaml())
             if not (run_dir / SAVED_DIR).exists():
                 save_tokenizer(tokenizer, run_dir / SAVED_DIR)
         return {"run_dir": run_dir, **_train_in(config, task, tokenizer.describe(), run_dir, console, shards)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from adloco.checkpoint import CheckpointError, atomic_write_bytes, list_checkpoi
 from adloco.checkpoint.names import check_resumable
 from adloco.comm.base import Communicator
 from adloco.comm.distributed import job_key, max_restarts
-from adloco.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, resume_config
+from adloco.config import RUN_CONFIG_FILE, ConfigError, DataConfig, ModelConfig, RunConfig, resume_config
 from adloco.data.sources import dataset_label
 from adloco.metrics.tracking import check_trackers
 from adloco.run.runs import RunLock, lock_run
@@ -21,18 +22,29 @@ from adloco.run.runs import RunLock, lock_run
 JOBS_DIR = ".jobs"  # under run.root: one pointer file per torchrun job, naming the run directory it trains
 
 
-def make_run_dir(config: TrainConfig) -> tuple[Path, bool]:
+@dataclass(frozen=True)
+class RunIdentity:
+    """What the run directory knows of the run it holds: where it lives (``run``), the stem of its default name,
+    the text of its config.yaml, and, for an elastic run, the workers a restart may have resized it to."""
+
+    run: RunConfig
+    label: str
+    settings: str
+    elastic_workers: int | None = None
+
+
+def run_label(model: ModelConfig, data: DataConfig) -> str:
+    """``<model>_<dataset>``: the stem of a run directory's default name."""
+    return f"{model.preset or Path(str(model.path)).stem}_{dataset_label(data.dataset)}"
+
+
+def make_run_dir(run: RunConfig, label: str) -> tuple[Path, bool]:
     """A new run directory; or (``run.name``) the one of that name when an earlier start of it left no checkpoint
     and no model, which is started over (the second value says so). One that holds work is refused."""
-    root = Path(config.run.root)
-    if config.run.name:
-        name = config.run.name
-    else:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        model = config.model.preset or Path(str(config.model.path)).stem
-        name = f"{model}_{dataset_label(config.data.dataset)}_{stamp}"
+    root = Path(run.root)
+    name = run.name or f"{label}_{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
     path = root / name
-    if config.run.name and path.exists():  # a second run there would leave `adloco eval` reading the first
+    if run.name and path.exists():  # a second run there would leave `adloco eval` reading the first
         _check_reusable(path)
         return path, True
     suffix = 1
@@ -89,14 +101,14 @@ def attach_log_file(run_dir: Path) -> logging.Handler:
     return handler
 
 
-def _job_pointer(config: TrainConfig) -> Path | None:
+def _job_pointer(run: RunConfig) -> Path | None:
     """``<run.root>/.jobs/<job>``: where a torchrun job that may restart records its run directory."""
     key = job_key()
-    return None if key is None else Path(config.run.root) / JOBS_DIR / key
+    return None if key is None else Path(run.root) / JOBS_DIR / key
 
 
-def _record_job(config: TrainConfig, run_dir: Path) -> None:
-    pointer = _job_pointer(config)
+def _record_job(run: RunConfig, run_dir: Path) -> None:
+    pointer = _job_pointer(run)
     if pointer is None or max_restarts() == 0:
         return
     try:
@@ -105,13 +117,13 @@ def _record_job(config: TrainConfig, run_dir: Path) -> None:
         raise ConfigError(f"cannot record the run directory of this job in '{pointer}': {error.strerror}") from None
 
 
-def restart_plan(config: TrainConfig) -> tuple[str, str]:
+def restart_plan(identity: RunIdentity) -> tuple[str, str]:
     """On a restarted torchrun attempt (rank 0): what to do with the run directory the first attempt made.
 
     ("resume", dir) when it has a checkpoint, ("again", dir) when the first attempt died before its first
     checkpoint, ("new", "") when it died before creating a directory at all.
     """
-    pointer = _job_pointer(config)
+    pointer = _job_pointer(identity.run)
     if pointer is None or not pointer.exists():
         return ("new", "")
     try:
@@ -121,9 +133,9 @@ def restart_plan(config: TrainConfig) -> tuple[str, str]:
     if not (run_dir / RUN_CONFIG_FILE).exists():
         return ("new", "")
     started = resume_config(run_dir)
-    if started.elastic and config.elastic:  # a restart with another world size resizes the job
-        started = started.model_copy(update={"workers": config.workers})
-    if started.to_yaml() != config.to_yaml():
+    if started.elastic and identity.elastic_workers is not None:  # a restart with another world size resizes the job
+        started = started.model_copy(update={"workers": identity.elastic_workers})
+    if started.to_yaml() != identity.settings:
         # A pointer left by another job of the same id: never mix two configurations in one directory.
         raise ConfigError(f"run directory '{run_dir}' named by '{pointer}' was started with another configuration")
     return ("resume" if list_checkpoints(run_dir / "checkpoints") else "again", str(run_dir))
@@ -137,14 +149,14 @@ def clear_for_start_over(run_dir: Path) -> None:
     (run_dir / "checkpoints").mkdir(exist_ok=True)
 
 
-def prepare_run_dir(config: TrainConfig, resume: Path | None, again: Path | None = None) -> RunLock:
+def prepare_run_dir(identity: RunIdentity, resume: Path | None, again: Path | None = None) -> RunLock:
     """The run directory, locked for this process: a new one, or ``resume``/``again`` checked first."""
     if resume is not None:
         check_resumable(resume)
         lock = lock_run(resume)  # before anything in it changes
         try:
             _check_writable(resume / "checkpoints")
-            _record_job(config, resume)
+            _record_job(identity.run, resume)
         except BaseException:
             lock.release(None)
             raise
@@ -153,7 +165,7 @@ def prepare_run_dir(config: TrainConfig, resume: Path | None, again: Path | None
         lock = lock_run(again)
         clear_for_start_over(again)
     else:
-        path, reused = make_run_dir(config)
+        path, reused = make_run_dir(identity.run, identity.label)
         lock = lock_run(path)
         if reused:  # after the lock: a live process starting it is refused, not cleared
             clear_for_start_over(path)
@@ -161,28 +173,28 @@ def prepare_run_dir(config: TrainConfig, resume: Path | None, again: Path | None
                 f"'{path}' held no checkpoint from an earlier start; starting it over"
             )
     try:
-        write_run_config(lock.run_dir, config)
-        _record_job(config, lock.run_dir)
+        write_run_config(lock.run_dir, identity.settings)
+        _record_job(identity.run, lock.run_dir)
     except BaseException:
         lock.release(None)
         raise
     return lock
 
 
-def write_run_config(run_dir: Path, config: TrainConfig) -> None:
-    """``config.yaml``, written whole or not at all."""
+def write_run_config(run_dir: Path, settings: str) -> None:
+    """``config.yaml`` (the config's YAML text), written whole or not at all."""
     try:
-        atomic_write_bytes(run_dir / RUN_CONFIG_FILE, config.to_yaml().encode())
+        atomic_write_bytes(run_dir / RUN_CONFIG_FILE, settings.encode())
     except OSError as error:
         raise ConfigError(f"run directory '{run_dir}' is not writable: {error.strerror}") from None
 
 
-def agree_on_restart(config: TrainConfig, comm: Communicator) -> tuple[str, str]:
+def agree_on_restart(identity: RunIdentity, comm: Communicator) -> tuple[str, str]:
     """Rank 0's restart plan (see ``restart_plan``), on every rank; errors are every rank's errors."""
     plan: tuple[str, str] = ("new", "")
     if comm.rank == 0:
         try:
-            plan = restart_plan(config)
+            plan = restart_plan(identity)
         except (ConfigError, CheckpointError) as error:
             plan = (type(error).__name__, str(error))
     plan = comm.broadcast_object(plan, src=0)
@@ -192,15 +204,15 @@ def agree_on_restart(config: TrainConfig, comm: Communicator) -> tuple[str, str]
 
 
 def claim_run_dir(
-    config: TrainConfig, resume: Path | None, again: Path | None, comm: Communicator
+    identity: RunIdentity, resume: Path | None, again: Path | None, comm: Communicator
 ) -> tuple[RunLock | None, Path]:
     """Rank 0 makes or locks the run directory and tells every rank; an error there is every rank's error."""
     outcome: tuple[str, str] = ("ok", "")
     lock: RunLock | None = None
     if comm.rank == 0:
         try:
-            check_trackers(config.run.trackers)  # a missing tracker package stops the run before it starts
-            lock = prepare_run_dir(config, resume, again)
+            check_trackers(identity.run.trackers)  # a missing tracker package stops the run before it starts
+            lock = prepare_run_dir(identity, resume, again)
             outcome = ("ok", str(lock.run_dir))
         except (ConfigError, CheckpointError) as error:
             outcome = (type(error).__name__, str(error))

@@ -34,7 +34,7 @@ from adloco.comm.distributed import (
     world_size_from_env,
 )
 from adloco.comm.local import LocalCommunicator
-from adloco.config import TrainConfig, resume_changes
+from adloco.config import CommConfig, RunConfig, TrainConfig, resume_changes
 from adloco.data import (
     SAVED_DIR,
     build_tokenizer,
@@ -51,10 +51,12 @@ from adloco.metrics.writer import MetricsWriter, RunDisplay, job_peak_flops
 from adloco.models.build import flops_per_token_of
 from adloco.models.compilation import check_compile
 from adloco.run.directory import (
+    RunIdentity,
     agree_on_restart,
     attach_log_file,
     claim_run_dir,
     newest_checkpoint,
+    run_label,
     write_run_config,
 )
 from adloco.run.preflight import check_rank_memory
@@ -119,11 +121,17 @@ def export_final(model: torch.nn.Module, theta: list[torch.Tensor], run_dir: Pat
     return final
 
 
-def make_communicator(config: TrainConfig) -> Communicator:
+def make_communicator(settings: CommConfig) -> Communicator:
     """torch.distributed when launched by torchrun, else a world of one rank in this process."""
     if launched_by_torchrun():
-        return DistributedCommunicator(config.comm.backend, config.comm.timeout_s, config.comm.reduce)
+        return DistributedCommunicator(settings.backend, settings.timeout_s, settings.reduce)
     return LocalCommunicator()
+
+
+def run_identity(config: TrainConfig) -> RunIdentity:
+    """What the run directory keeps of this run (its config.yaml, the stem of its default name)."""
+    elastic_workers = config.workers if config.elastic else None  # a restart may resize an elastic job
+    return RunIdentity(config.run, run_label(config.model, config.data), config.to_yaml(), elastic_workers)
 
 
 def train(
@@ -142,7 +150,7 @@ def train(
     if config.threads:
         torch.set_num_threads(config.threads)
     owns_comm = comm is None
-    comm = comm or make_communicator(config)
+    comm = comm or make_communicator(config.comm)
     try:
         result = _train_with(config, resume, console, comm)
         if owns_comm:
@@ -161,8 +169,9 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
     theta_device(config.outer.device, device, 0, user_loop=False)  # outer.device=cuda without one: refused now
     if config.compile:
         check_compile(device)
+    identity = run_identity(config)
     # A torchrun attempt after a failure continues the run its first attempt made, with no --resume needed.
-    restart = agree_on_restart(config, comm) if restart_attempt() > 0 else None
+    restart = agree_on_restart(identity, comm) if restart_attempt() > 0 else None
     again = None
     if restart is not None and restart[0] == "resume":
         resume = Path(restart[1])
@@ -175,7 +184,7 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
         workers_here = len(hosted)  # a shard of each when sharded
         check_rank_memory(run_task.build_skeleton(), run_task.context, workers_here, trainers=config.trainers,
                           batch_size=config.batch.size, shards=config.shards)  # fmt: skip
-    lock, run_dir = claim_run_dir(config, resume, again, comm)
+    lock, run_dir = claim_run_dir(identity, resume, again, comm)
     if comm.rank == 0 and resume is None:
         save_tokenizer(tokenizer, run_dir / SAVED_DIR)
     handler = attach_log_file(run_dir) if comm.rank == 0 else None  # before the checkpoint's warnings
@@ -265,7 +274,7 @@ def _resume_from(
     )
     changes = resume_changes(checkpoint["config"], config)
     if lock is not None and changes:
-        write_run_config(run_dir, config)  # the next resume starts from these settings
+        write_run_config(run_dir, config.to_yaml())  # the next resume starts from these settings
         _say(console, "resuming with changed settings: " + "; ".join(changes))
     return checkpoint
 
@@ -379,7 +388,9 @@ def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> RunSt
             comm.world_size,
         )
     is_root = comm.rank == 0
-    metrics = _open_metrics(config, run_dir, counters, checkpoint) if is_root else None
+    metrics = (
+        _open_metrics(config.run, config.model_dump(mode="json"), run_dir, counters, checkpoint) if is_root else None
+    )
     if metrics is not None and cluster.resized is not None:
         before, now = cluster.resized
         metrics.write(
@@ -402,7 +413,10 @@ def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> RunSt
     )
 
 
-def _open_metrics(config: TrainConfig, run_dir: Path, counters: dict, checkpoint: dict | None) -> MetricsWriter:
+def _open_metrics(
+    settings: RunConfig, config: dict, run_dir: Path, counters: dict, checkpoint: dict | None
+) -> MetricsWriter:
+    """metrics.jsonl and the trackers; ``config`` is the whole run's, as the trackers record it."""
     return MetricsWriter(
         run_dir / "metrics.jsonl",
         # the checkpoint's own round: the run's records are numbered like it. A run written when rounds were counted
@@ -411,10 +425,10 @@ def _open_metrics(config: TrainConfig, run_dir: Path, counters: dict, checkpoint
         renumber=int(checkpoint is not None and checkpoint["round"] == counters["round"] - 1),
         # Trackers hide their points after the checkpoint's inner step (all of them when starting over).
         trackers=open_trackers(
-            config.run.trackers,
+            settings.trackers,
             run_dir,
-            project=config.run.project,
-            config=config.model_dump(mode="json"),
+            project=settings.project,
+            config=config,
             resume_step=counters["step"],
         ),
     )

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from adloco.algorithms.codecs import Codec, get_codec
 from adloco.algorithms.outer import OuterFactory, adam_factory
 from adloco.algorithms.sparse import TopKCodec
 from adloco.comm.base import Communicator
-from adloco.config import CodecConfig, OuterConfig, StreamingConfig, TrainConfig
+from adloco.config import CodecConfig, OuterConfig, StreamingConfig
 from adloco.config.methods import METHODS
 from adloco.sync.base import SyncStrategy
 from adloco.sync.ddp import DDPSync
@@ -55,8 +56,23 @@ class SyncSettings:
     codec: CodecConfig
 
     @classmethod
-    def of(cls, config: TrainConfig) -> SyncSettings:
+    def of(cls, config: SyncSections) -> SyncSettings:
         return cls(config.method, config.first_sync_every, config.outer, config.streaming, config.codec)
+
+
+class SyncSections(Protocol):
+    """Where sync settings are read from: ``adloco train``'s config or a user's loop's settings."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def first_sync_every(self) -> int: ...
+    @property
+    def outer(self) -> OuterConfig: ...
+    @property
+    def streaming(self) -> StreamingConfig: ...
+    @property
+    def codec(self) -> CodecConfig: ...
 
 
 def build_codec(codec: CodecConfig) -> Codec | None:

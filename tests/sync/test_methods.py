@@ -121,7 +121,8 @@ def test_the_methods_config_api_replicas_estimate_and_docs_know_are_the_registry
     for name, method in METHODS.items():
         config = loop_settings(name, 4, 2, {})  # a user's loop: the same methods, validated as adloco train does
         assert config.method == name
-        assert _syncs_per_round(build_config({"method": name, "sync_every": 6})) == (6 if method.every_step else 1)
+        every_six = build_config({"method": name, "sync_every": 6})
+        assert _syncs_per_round(every_six.method, every_six.first_sync_every) == (6 if method.every_step else 1)
         own = method_sections(config, task.context)
         assert set(own) == set(method.sections) | ({"total_samples"} if method.adaptive_batch else set())
         assert set(own) <= set(_sections(config, task))  # a replica hands DiLoCo the method's sections too

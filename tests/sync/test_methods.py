@@ -121,7 +121,7 @@ def test_the_methods_config_api_replicas_estimate_and_docs_know_are_the_registry
     for name, method in METHODS.items():
         assert loop_settings(name, 4, 2, {}).method == name  # a user's loop: validated as adloco train does
         config = build_config({"method": name, "sync_every": 6})
-        assert _syncs_per_round(config) == (6 if method.every_step else 1)
+        assert _syncs_per_round(config.method, config.first_sync_every) == (6 if method.every_step else 1)
         own = method_sections(config, task.context)
         assert set(own) == set(method.sections) | ({"total_samples"} if method.adaptive_batch else set())
         assert set(own) <= set(_sections(config, task))  # a replica hands DiLoCo the method's sections too

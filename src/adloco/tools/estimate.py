@@ -21,7 +21,7 @@ from adloco.algorithms.theory import (
     log_slope,
     rounds_to_target,
 )
-from adloco.config import ConfigError, TrainConfig, resume_config
+from adloco.config import BatchConfig, ConfigError, TrainConfig, resume_config
 from adloco.config.methods import METHODS
 from adloco.data import DataError
 from adloco.metrics.writer import read_metrics
@@ -128,26 +128,33 @@ def load_rounds(run_dir: Path) -> tuple[TrainConfig, list[dict[str, Any]], int |
     return config, rounds, int(best) if best is not None else None
 
 
-def _follow(config: TrainConfig, rounds: list[dict[str, Any]], trainer: int) -> list[RoundPoint]:
-    """The rounds in which ``trainer`` trained, with what it ran each round with."""
+def _follow(
+    rounds: list[dict[str, Any]], trainer: int, *, trainers: int, workers: int, batch: int, sync_every: int
+) -> list[RoundPoint]:
+    """The rounds in which ``trainer`` trained, with what it ran each round with.
+
+    ``trainers``, ``workers``, ``batch`` (samples per worker step) and ``sync_every`` (H of the first round) are the
+    run's starting settings: what a trainer ran with until a record says otherwise, and what a record lacking a
+    field falls back on.
+    """
     points = []
     tokens_before = 0
     step_before = 0
     # "batch" and "workers" are written after the round's batch test and merge: a round ran with the values of
     # the record before it. "plan" is the round's own (its samples are below b when switch mode caps them).
-    batch_before = {k: config.batch.size for k in range(config.trainers)}
-    workers_before = {k: config.workers for k in range(config.trainers)}
+    batch_before = {k: batch for k in range(trainers)}
+    workers_before = {k: workers for k in range(trainers)}
     for record in rounds:
-        batches = {k: _count(b, config.batch.size) for k, b in _as_int_keys(record.get("batch")).items()}
+        batches = {k: _count(b, batch) for k, b in _as_int_keys(record.get("batch")).items()}
         losses = _as_int_keys(record.get("train_loss"))
         plans = _as_int_keys(record.get("plan"))
-        ran = {k: _count(_field(plans.get(k), "samples"), batch_before.get(k, config.batch.size)) for k in losses}
-        steps = _count(record.get("steps"), config.first_sync_every)
+        ran = {k: _count(_field(plans.get(k), "samples"), batch_before.get(k, batch)) for k in losses}
+        steps = _count(record.get("steps"), sync_every)
         tokens = _count(record.get("tokens"), tokens_before)
         step_after = _count(record.get("step"), step_before + steps)
         loss = _number(losses.get(trainer))
         samples = sum(workers_before.get(k, 0) * b for k, b in ran.items())
-        workers = {k: _count(w, 0) for k, w in _as_int_keys(record.get("workers")).items()} or workers_before
+        workers_after = {k: _count(w, 0) for k, w in _as_int_keys(record.get("workers")).items()} or workers_before
         after = {**batch_before, **batches}
         if loss is not None and trainer in ran and samples > 0 and tokens > tokens_before:
             test = _as_int_keys(record.get("batch_test")).get(trainer)
@@ -159,18 +166,18 @@ def _follow(config: TrainConfig, rounds: list[dict[str, Any]], trainer: int) -> 
                     tokens=tokens,
                     tokens_before=tokens_before,
                     loss=loss,
-                    workers=workers_before.get(trainer, config.workers),
+                    workers=workers_before.get(trainer, workers),
                     batch=ran[trainer],
-                    batch_after=after.get(trainer, config.batch.size),
-                    workers_after=workers.get(trainer) or workers_before.get(trainer, config.workers),
-                    others_after=sum(w * after.get(k, config.batch.size) for k, w in workers.items() if k != trainer),
+                    batch_after=after.get(trainer, batch),
+                    workers_after=workers_after.get(trainer) or workers_before.get(trainer, workers),
+                    others_after=sum(w * after.get(k, batch) for k, w in workers_after.items() if k != trainer),
                     samples=samples,
                     grad_norm_sq=_number(_field(test, "grad_norm_sq")),
                     sample_variance=_number(_field(test, "sample_variance")),
                     merged=_merged(record.get("merge"), trainer),
                 )
             )
-        batch_before, workers_before = after, workers
+        batch_before, workers_before = after, workers_after
         tokens_before, step_before = tokens, step_after
     return points
 
@@ -199,23 +206,19 @@ def _at_round(round_number: int, tokens: float, syncs_per_round: int) -> dict[st
     }
 
 
-def _syncs_per_round(config: TrainConfig) -> int:
-    return METHODS[config.method].syncs_per_round(config.first_sync_every)
+def _syncs_per_round(method: str, sync_every: int) -> int:
+    """Synchronisations per round of ``method`` with H = ``sync_every``."""
+    return METHODS[method].syncs_per_round(sync_every)
 
 
-def _schedule(config: TrainConfig) -> Schedule:
-    inner = config.inner
-    return Schedule(inner.lr, inner.min_lr, inner.warmup_steps, config.total_tokens, config.first_sync_every)
-
-
-def _raw_statistics(config: TrainConfig, points: list[RoundPoint]) -> list[tuple[RoundPoint, float, float]]:
+def _raw_statistics(points: list[RoundPoint], ema: float) -> list[tuple[RoundPoint, float, float]]:
     """The measured rounds with their single-round ‖∇F‖² and σ², undoing the batch test's EMA
-    (``batch.statistics.ema``).
+    (``ema``: the run's ``batch.statistics.ema``).
 
     The controller logs s_t = a·s_{t−1} + (1 − a)·x_t, so x_t = (s_t − a·s_{t−1})/(1 − a): one wild round
     stays one wild round, which the medians below then ignore.
     """
-    a = config.batch.statistics.ema
+    a = ema
     out = []
     previous: tuple[float, float] | None = None
     for point in points:
@@ -231,15 +234,19 @@ def _raw_statistics(config: TrainConfig, points: list[RoundPoint]) -> list[tuple
     return out
 
 
-def _fit(config: TrainConfig, calibration: list[RoundPoint], where: str) -> tuple[LossModel, list[RoundPoint]]:
+def _fit(
+    calibration: list[RoundPoint], where: str, *, ema: float, schedule: Schedule
+) -> tuple[LossModel, list[RoundPoint]]:
     """Fit the model to the calibration rounds; also returns the rounds whose loss curve fixed κ.
+
+    ``ema`` is the run's ``batch.statistics.ema``, ``schedule`` its inner learning-rate schedule.
 
     β comes from the medians of the two halves of the calibration rounds (loss and ‖∇F‖²), G_ref and σ²
     from the later half, and κ from the later half's loss curve.
     """
     half = len(calibration) // 2
     early, late = calibration[:half], calibration[half:]
-    measured = _raw_statistics(config, calibration)
+    measured = _raw_statistics(calibration, ema)
     stats_early, stats_late = measured[: sum(p.measured for p in early)], measured[sum(p.measured for p in early) :]
     if not stats_late or len(late) < 2:
         raise DataError(
@@ -262,7 +269,6 @@ def _fit(config: TrainConfig, calibration: list[RoundPoint], where: str) -> tupl
             statistics.median(p.loss for p, _, _ in stats_late),
             grad_norm_sq,
         )
-    schedule = _schedule(config)
     weights = [
         schedule.round_weight(p.first_step, p.tokens_before, (p.tokens - p.tokens_before) / p.steps) for p in late[1:]
     ]
@@ -295,7 +301,14 @@ def estimate(
     config, rounds, best = load_rounds(run_dir)
     if trainer is None:
         trainer = best if best is not None else 0
-    points = _follow(config, rounds, trainer)
+    points = _follow(
+        rounds,
+        trainer,
+        trainers=config.trainers,
+        workers=config.workers,
+        batch=config.batch.size,
+        sync_every=config.first_sync_every,
+    )
     if not points:
         raise DataError(f"'{run_dir}' has no completed rounds of trainer {trainer} in metrics.jsonl")
     if not any(p.measured for p in points):
@@ -307,11 +320,14 @@ def estimate(
             f"--calibrate-rounds asks for {count}"
         )
     calibration = points[:count]
-    model, window = _fit(config, calibration, f"rounds {calibration[0].round}-{calibration[-1].round} of '{run_dir}'")
+    inner = config.inner
+    schedule = Schedule(inner.lr, inner.min_lr, inner.warmup_steps, config.total_tokens, config.first_sync_every)
+    where = f"rounds {calibration[0].round}-{calibration[-1].round} of '{run_dir}'"
+    model, window = _fit(calibration, where, ema=config.batch.statistics.ema, schedule=schedule)
     last = calibration[-1]
-    syncs = _syncs_per_round(config)
+    syncs = _syncs_per_round(config.method, config.first_sync_every)
     measured = _measured(points, target, syncs)
-    prediction = _predict(config, model, points, last, target, syncs, measured)
+    prediction = _predict(model, points, last, target, syncs, measured, batch=config.batch, schedule=schedule)
     result: dict[str, Any] = {
         "run_dir": str(run_dir),
         "method": config.method,
@@ -334,8 +350,21 @@ def _check_arguments(target: float, calibrate_rounds: int | None) -> None:
         raise ConfigError(f"--calibrate-rounds must be an integer >= {MIN_CALIBRATION}, got {calibrate_rounds!r}")
 
 
-def _predict(config, model, points: list[RoundPoint], last: RoundPoint, target: float, syncs: int, measured):
-    """Rounds to the target after the calibration, or the observation when it was reached during it."""
+def _predict(
+    model: LossModel,
+    points: list[RoundPoint],
+    last: RoundPoint,
+    target: float,
+    syncs: int,
+    measured: dict[str, Any] | None,
+    *,
+    batch: BatchConfig,
+    schedule: Schedule,
+) -> dict[str, Any]:
+    """Rounds to the target after the calibration, or the observation when it was reached during it.
+
+    ``batch`` (the run's batch section) says whether the norm test grew b, and with which η up to which cap.
+    """
     if measured is not None and measured["round"] <= last.round:
         # Reached inside the calibration rounds: that observation is the answer, nothing is predicted.
         prediction: dict[str, Any] = {
@@ -346,26 +375,26 @@ def _predict(config, model, points: list[RoundPoint], last: RoundPoint, target: 
             "final_batch": next(p.batch for p in points if p.round == measured["round"]),
         }
         return prediction
-    norm_test = config.batch.test == "norm" and config.batch.b_cap > config.batch.b_min
+    norm_test = batch.test == "norm" and batch.b_cap > batch.b_min
     path = rounds_to_target(
         model,
         last.loss,
         target,
         workers=last.workers_after,
         batch=last.batch_after,
-        schedule=_schedule(config),
+        schedule=schedule,
         step=last.first_step + last.steps,
         tokens=last.tokens,
         sample_tokens=last.sample_tokens,
         other_samples=last.others_after,
-        eta=config.batch.statistics.eta if norm_test else None,
-        batch_cap=config.batch.b_cap if norm_test else None,
+        eta=batch.statistics.eta if norm_test else None,
+        batch_cap=batch.b_cap if norm_test else None,
         max_rounds=HORIZON * len(points),
     )
     return _prediction_dict(path, last, syncs)
 
 
-def _calibration_dict(model, window, calibration: list[RoundPoint]) -> dict[str, Any]:
+def _calibration_dict(model: LossModel, window: list[RoundPoint], calibration: list[RoundPoint]) -> dict[str, Any]:
     last = calibration[-1]
     return {
         "rounds": len(calibration),

@@ -26,7 +26,7 @@ from adloco.algorithms.batch_tests import BatchSizeController, GradientStatistic
 from adloco.algorithms.noise import batch_deviations, gram_of_rows, predicted_deviation, simple_noise_scale
 from adloco.algorithms.sharding import ShardLayout
 from adloco.checkpoint import TRAIN, CheckpointError, checkpoint_round, list_checkpoints, load_checkpoint, read_manifest
-from adloco.config import ConfigError, TrainConfig
+from adloco.config import BatchConfig, ConfigError, TrainConfig
 from adloco.data import SAVED_DIR, build_tokenizer, load_corpus
 from adloco.metrics.writer import read_metrics
 from adloco.workers.tasks import Task, build_task, load_theta
@@ -103,24 +103,18 @@ def _round_records(run_dir: Path) -> tuple[list[dict], dict | None]:
     return rounds, final
 
 
-def _task(config: TrainConfig, tokenizer: Any, model_config: Any = None) -> Task:
-    return build_task(
-        config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context), model_config=model_config
-    )
+def _final_source(run_dir: Path, workers: int) -> Source:
+    """The exported model's trainer (the best one) with its b and workers of the last round.
 
-
-def _load_final(run_dir: Path, config: TrainConfig) -> tuple[torch.nn.Module, Task, Source]:
-    from adloco.tools.inference import load_final
-
-    model, tokenizer = load_final(run_dir)
-    task = _task(config, tokenizer, model.config)
+    ``workers`` is the run's starting count, for a run whose records do not say.
+    """
     rounds, final = _round_records(run_dir)
     trainer = final.get("best_trainer") if final else None
     last = rounds[-1] if rounds else {}
     key = str(trainer)
     run_batch = (last.get("batch") or {}).get(key)
-    workers = (last.get("workers") or {}).get(key, config.workers)
-    return model, task, Source("final", None, trainer, run_batch, int(workers))
+    last_workers = (last.get("workers") or {}).get(key, workers)
+    return Source("final", None, trainer, run_batch, int(last_workers))
 
 
 def _checkpoint_path(directory: Path, round_index: int | str) -> tuple[Path, str | None]:
@@ -137,18 +131,16 @@ def _checkpoint_path(directory: Path, round_index: int | str) -> tuple[Path, str
 
 
 def _load_checkpoint(
-    run_dir: Path, config: TrainConfig, round_index: int | str, trainer: int | None
-) -> tuple[torch.nn.Module, Task, Source]:
-    path, sha256 = _checkpoint_path(run_dir / "checkpoints", round_index)
-    # The run's own tokenizer: a trained BPE is reloaded from the run, never trained again.
-    tokenizer = build_tokenizer(config.data, None, None if config.data.tokenizer == "byte" else run_dir / SAVED_DIR)
-    task = _task(config, tokenizer)
-    model = task.build_model(config.seed)
+    run_dir: Path, path: Path, sha256: str | None, model: torch.nn.Module, trainer: int | None
+) -> Source:
+    """Load one trainer's θ of the checkpoint at ``path`` into ``model`` (built from the run's task and seed).
+
+    None picks the trainer with the best validation loss at that round, if it was evaluated; else the first.
+    """
     whole = ShardLayout(0, 1, lambda: {tuple(p.shape) for p in model.parameters()})  # sharded workers' θ joined
     state = load_checkpoint(path, sha256, TRAIN, layout=whole)  # a train run's: its trainers and round are there
     trainers, saved_round = state["cluster"]["trainers"], int(state["round"])
     if trainer is None:
-        # The trainer with the best validation loss at that round, if it was evaluated; else the first.
         rounds, _ = _round_records(run_dir)
         val = next((r.get("val_loss") for r in rounds if r.get("round") == saved_round), None) or {}
         candidates = {int(k): v for k, v in val.items() if int(k) in trainers}
@@ -160,8 +152,7 @@ def _load_checkpoint(
     if [tuple(t.shape) for t in theta] != [tuple(p.shape) for p in model.parameters()]:
         raise CheckpointError(f"checkpoint '{path}' holds parameters of another model shape than the run's config")
     load_theta(model, theta)
-    source = Source("checkpoint", saved_round, trainer, int(saved["batch_size"]), len(saved["worker_ids"]))
-    return model.eval(), task, source
+    return Source("checkpoint", saved_round, trainer, int(saved["batch_size"]), len(saved["worker_ids"]))
 
 
 def load_parameters(
@@ -169,7 +160,8 @@ def load_parameters(
 ) -> tuple[torch.nn.Module, Task, Source]:
     """The model at the requested θ and the run's task: ``final`` (exported best trainer), ``latest`` or a round.
 
-    None picks ``final`` when the run exported a model and the latest checkpoint otherwise.
+    None picks ``final`` when the run exported a model and the latest checkpoint otherwise. ``config`` is the
+    run's whole config because ``build_task`` takes it.
     """
     has_final = (run_dir / "final" / "config.json").exists()
     if checkpoint is None:
@@ -179,8 +171,20 @@ def load_parameters(
     if checkpoint == "final":
         if trainer is not None:
             raise ConfigError("--trainer selects a trainer of a checkpoint; the final model is the best trainer's")
-        return _load_final(run_dir, config)
-    return _load_checkpoint(run_dir, config, checkpoint, trainer)
+        from adloco.tools.inference import load_final
+
+        model, tokenizer = load_final(run_dir)
+        task = build_task(
+            config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context), model_config=model.config
+        )
+        return model, task, _final_source(run_dir, config.workers)
+    path, sha256 = _checkpoint_path(run_dir / "checkpoints", checkpoint)
+    # The run's own tokenizer: a trained BPE is reloaded from the run, never trained again.
+    tokenizer = build_tokenizer(config.data, None, None if config.data.tokenizer == "byte" else run_dir / SAVED_DIR)
+    task = build_task(config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context))
+    model = task.build_model(config.seed)
+    source = _load_checkpoint(run_dir, path, sha256, model, trainer)
+    return model.eval(), task, source
 
 
 def draw_samples(task: Task, samples: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -258,16 +262,18 @@ def analyze(
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _analyze(run_dir, config, checkpoint, trainer, samples, batch_sizes, repeats, seed, out_dir, plots)
+        model, task, source = load_parameters(run_dir, config, checkpoint, trainer)
+        return _analyze(run_dir, model, task, source, config.batch, samples, batch_sizes, repeats, seed, out_dir, plots)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _analyze(
     run_dir: Path,
-    config: TrainConfig,
-    checkpoint: str | int | None,
-    trainer: int | None,
+    model: torch.nn.Module,
+    task: Task,
+    source: Source,
+    batch: BatchConfig,
     samples: int,
     batch_sizes: list[int] | tuple[int, ...],
     repeats: int,
@@ -275,7 +281,7 @@ def _analyze(
     out_dir: Path | None,
     plots: bool,
 ) -> dict[str, Any]:
-    model, task, source = load_parameters(run_dir, config, checkpoint, trainer)
+    """The report on ``model`` (loaded from ``source``); ``batch`` is the run's batch section, for its tests."""
     model = model.float().eval()
     parameters = sum(p.numel() for p in model.parameters())
     _check_memory(samples, parameters)
@@ -298,8 +304,8 @@ def _analyze(
         "noise_scale": simple_noise_scale(stats.sample_variance, stats.grad_norm_sq),
         "noise_scale_unbiased": (stats.sample_variance / unbiased if unbiased > 0 else math.inf),
         "mean_gradient_check": mean_check,
-        **_batch_test_requests(stats, config, source.workers),
-        "b_bounds": [config.batch.b_min, config.batch.b_cap],
+        **_batch_test_requests(stats, batch, source.workers),
+        "b_bounds": [batch.b_min, batch.b_cap],
         "run_batch": source.run_batch,
         "run_batch_test": _run_batch_test(run_dir, source),
         "batch_sizes": rows_out,
@@ -334,9 +340,9 @@ def _sample_statistics(
     return gram, stats, mean_check
 
 
-def _batch_test_requests(stats: GradientStatistics, config: TrainConfig, workers: int) -> dict[str, Any]:
-    """What the norm and augmented inner-product tests would ask for at these statistics."""
-    batch_config, statistics = config.batch, config.batch.statistics
+def _batch_test_requests(stats: GradientStatistics, batch_config: BatchConfig, workers: int) -> dict[str, Any]:
+    """What the norm and augmented inner-product tests (set as in ``batch_config``) ask for at these statistics."""
+    statistics = batch_config.statistics
     norm = BatchSizeController(
         "norm", eta=statistics.eta, b_min=batch_config.b_min, b_cap=batch_config.b_cap, allow_shrink=True
     ).decide(stats, workers, batch_config.b_min)

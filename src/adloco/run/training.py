@@ -224,13 +224,18 @@ def tokenizer_and_task(config: TrainConfig, resume: Path | None) -> tuple:
     saved = resume / SAVED_DIR if resume is not None and config.data.tokenizer != "byte" else None
     if config.task == "classification":
         tokenizer = build_tokenizer(config.data, classification_texts(config.data), saved)
-        return tokenizer, build_task(config, tokenizer)
+        return tokenizer, build_task(config.task, config.model, config.data, config.seed, tokenizer)
     # token files were tokenized already: their tokenizer is the one that wrote them, nothing is read to train one
     source = None if names_token_files(config.data.dataset) else source_from_config(config.data)
     texts = None if source is None else training_texts(config.data, source)
     tokenizer = build_tokenizer(config.data, texts, saved)
     return tokenizer, build_task(
-        config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context, source, seed=config.seed)
+        config.task,
+        config.model,
+        config.data,
+        config.seed,
+        tokenizer,
+        lambda context: load_corpus(config.data, tokenizer, context, source, seed=config.seed),
     )
 
 

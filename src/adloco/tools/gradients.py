@@ -105,7 +105,13 @@ def _round_records(run_dir: Path) -> tuple[list[dict], dict | None]:
 
 def _task(config: TrainConfig, tokenizer: Any, model_config: Any = None) -> Task:
     return build_task(
-        config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context), model_config=model_config
+        config.task,
+        config.model,
+        config.data,
+        config.seed,
+        tokenizer,
+        lambda context: load_corpus(config.data, tokenizer, context),
+        model_config=model_config,
     )
 
 

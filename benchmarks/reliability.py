@@ -259,7 +259,7 @@ class Fuzzer:
         """The classes of mistake a new user's audit found: empty values, repeated keys, YAML aliases (bombs and
         self-references), and shard/rank arithmetic against a torchrun world."""
         from adloco.cli import main
-        from adloco.cluster.placement import check_world
+        from adloco.cluster.placement import WorldSpec, check_world
         from adloco.config import ConfigError, build_config, load_config
 
         rng = self.rng
@@ -300,7 +300,10 @@ class Fuzzer:
 
         def arithmetic():
             try:
-                check_world(build_config(overrides=overrides), world if torchrun else 1, torchrun)
+                config = build_config(overrides=overrides)
+                spec = WorldSpec(config.total_workers, config.slots_per_rank, config.shards, config.elastic,
+                                 config.comm.backend, config.device)  # fmt: skip
+                check_world(spec, world if torchrun else 1, torchrun)
             except ConfigError as error:
                 print(f"adloco: error: {error}", file=sys.stderr)
                 return 2

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from adloco.checkpoint import MANIFEST, list_checkpoints
 from adloco.cli import main
-from adloco.cluster.placement import check_world, hosted_workers
+from adloco.cluster.placement import WorldSpec, check_world, hosted_workers
 from adloco.config import ConfigError, TrainConfig, build_config, load_config
 from adloco.config.input import reject_repeated
 from adloco.data import ByteTokenizer, Corpus, DataError
@@ -242,7 +242,9 @@ def test_shard_and_rank_arithmetic_fits_or_is_one_line(workers, trainers, shards
     items += ["method=adloco"] + ([f"slots_per_rank={slots}"] if slots else [])
     try:
         config = build_config(overrides=items)
-        check_world(config, world if torchrun else 1, torchrun)
+        spec = WorldSpec(config.total_workers, config.slots_per_rank, config.shards, config.elastic,
+                         config.comm.backend, config.device)  # fmt: skip
+        check_world(spec, world if torchrun else 1, torchrun)
     except ConfigError as error:
         _one_line(str(error))
         return

@@ -461,9 +461,17 @@ def _train(args: argparse.Namespace, load_config) -> int:
         return 0
     if args.quiet:
         config.run.progress = False
+    from adloco.cluster.placement import WorldSpec
     from adloco.run.preflight import check_inputs
 
-    check_inputs(config, run_dir)  # before torch is imported: a wrong path or world is said in a second
+    if config.fault_tolerance.lighthouse is None:
+        world = WorldSpec(config.total_workers, config.slots_per_rank, config.shards, config.elastic,
+                          config.comm.backend, config.device)  # fmt: skip
+        root: str | None = config.run.root
+    else:  # a replica's world and run directory are its own
+        world, root = None, None
+    # before torch is imported: a wrong path or world is said in a second
+    check_inputs(config.task, config.model, config.data, run_dir, world=world, run_root=root)
     console = Console(stderr=True)
     if config.fault_tolerance.lighthouse is not None:
         return _train_replica(config, run_dir, console, args.verbose)

@@ -24,7 +24,7 @@ from adloco.checkpoint import (
     write_failure,
 )
 from adloco.cluster.cluster import Cluster, RoundReport, StepProgress
-from adloco.cluster.placement import check_world, elastic_size, hosted_workers, resolve_device
+from adloco.cluster.placement import WorldSpec, check_world, elastic_size, hosted_workers, resolve_device
 from adloco.comm.base import Communicator
 from adloco.comm.distributed import (
     DistributedCommunicator,
@@ -138,7 +138,9 @@ def train(
     """
     console = console or Console(stderr=True)
     torchrun = comm is not None and comm.world_size > 1 or launched_by_torchrun()
-    check_world(config, comm.world_size if comm is not None else world_size_from_env(), torchrun)
+    world = WorldSpec(config.total_workers, config.slots_per_rank, config.shards, config.elastic,
+                      config.comm.backend, config.device)  # fmt: skip
+    check_world(world, comm.world_size if comm is not None else world_size_from_env(), torchrun)
     if config.threads:
         torch.set_num_threads(config.threads)
     owns_comm = comm is None
@@ -154,7 +156,11 @@ def train(
 
 
 def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
-    config, resized = elastic_size(config, comm.world_size, fresh=resume is None and restart_attempt() == 0)
+    workers, resized = elastic_size(config.workers, comm.world_size, fresh=resume is None and restart_attempt() == 0,
+                                    elastic=config.elastic, slots_per_rank=config.slots_per_rank,
+                                    given="workers" in config.given_keys)  # fmt: skip
+    if workers != config.workers:  # a copy: the caller's config keeps the workers it named
+        config = config.model_copy(update={"workers": workers})
     device, config.precision = resolve_device(config.device, config.precision, config.tf32)  # config.yaml records it
     # run.mfu=true on a device of unknown peak: refused now
     job_peak_flops(config.run, config.precision, config.tf32, device, comm.world_size)

@@ -499,7 +499,8 @@ def _train_replica(config, resume: Path | None, console, verbose: bool) -> int:
     from adloco.replicas.training import check_replica_run, train_replica
     from adloco.run.training import tokenizer_and_task
 
-    check_replica_run(config, resume, launched_by_torchrun())
+    check_replica_run(resume, launched_by_torchrun(), shards=config.shards, trainers=config.trainers,
+                      elastic=config.elastic)  # fmt: skip
     if config.threads:
         torch.set_num_threads(config.threads)
     tokenizer, task = tokenizer_and_task(config, None)

@@ -124,7 +124,7 @@ def test_the_methods_config_api_replicas_estimate_and_docs_know_are_the_registry
         assert _syncs_per_round(build_config({"method": name, "sync_every": 6})) == (6 if method.every_step else 1)
         own = method_sections(config, task.context)
         assert set(own) == set(method.sections) | ({"total_samples"} if method.adaptive_batch else set())
-        assert set(own) <= set(_sections(config, task))  # a replica hands DiLoCo the method's sections too
+        assert set(own) <= set(_sections(config, task.context))  # a replica hands DiLoCo the method's sections too
     with pytest.raises(ConfigError, match="method: 'hivemind' is not one of " + ", ".join(METHODS)):
         loop_settings("hivemind", 4, 2, {})
 

@@ -117,7 +117,14 @@ def _task(config: Any) -> Any:
 
     source = source_from_config(config.data)
     tokenizer = build_tokenizer(config.data, training_texts(config.data, source))
-    return build_task(config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context, source))
+    return build_task(
+        config.task,
+        config.model,
+        config.data,
+        config.seed,
+        tokenizer,
+        lambda context: load_corpus(config.data, tokenizer, context, source),
+    )
 
 
 def replica_main(replica: int, lighthouse: str, overrides: list[str], out: Path) -> None:

@@ -300,7 +300,8 @@ class Fuzzer:
 
         def arithmetic():
             try:
-                check_world(build_config(overrides=overrides), world if torchrun else 1, torchrun)
+                config = build_config(overrides=overrides)
+                check_world(config.world, world if torchrun else 1, torchrun)
             except ConfigError as error:
                 print(f"adloco: error: {error}", file=sys.stderr)
                 return 2

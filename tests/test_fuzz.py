@@ -242,7 +242,7 @@ def test_shard_and_rank_arithmetic_fits_or_is_one_line(workers, trainers, shards
     items += ["method=adloco"] + ([f"slots_per_rank={slots}"] if slots else [])
     try:
         config = build_config(overrides=items)
-        check_world(config, world if torchrun else 1, torchrun)
+        check_world(config.world, world if torchrun else 1, torchrun)
     except ConfigError as error:
         _one_line(str(error))
         return

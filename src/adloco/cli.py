@@ -461,9 +461,15 @@ def _train(args: argparse.Namespace, load_config) -> int:
         return 0
     if args.quiet:
         config.run.progress = False
+    from adloco.config import WorldSpec
     from adloco.run.preflight import check_inputs
 
-    check_inputs(config, run_dir)  # before torch is imported: a wrong path or world is said in a second
+    world: WorldSpec | None = config.world
+    root: str | None = config.run.root
+    if config.fault_tolerance.lighthouse is not None:  # a replica's world and run directory are its own
+        world, root = None, None
+    # before torch is imported: a wrong path or world is said in a second
+    check_inputs(config.task, config.model, config.data, run_dir, world=world, run_root=root)
     console = Console(stderr=True)
     if config.fault_tolerance.lighthouse is not None:
         return _train_replica(config, run_dir, console, args.verbose)
@@ -491,7 +497,8 @@ def _train_replica(config, resume: Path | None, console, verbose: bool) -> int:
     from adloco.replicas.training import check_replica_run, train_replica
     from adloco.run.training import tokenizer_and_task
 
-    check_replica_run(config, resume, launched_by_torchrun())
+    check_replica_run(resume, launched_by_torchrun(), shards=config.shards, trainers=config.trainers,
+                      elastic=config.elastic)  # fmt: skip
     if config.threads:
         torch.set_num_threads(config.threads)
     tokenizer, task = tokenizer_and_task(config, None)

@@ -217,7 +217,8 @@ def test_what_replicas_cannot_do_yet_is_refused_clearly(tmp_path):
     assert "Traceback" not in cli.stderr
     several = [*replica, "shards=2", "method=adloco", "trainers=2", "workers=1"]
     with pytest.raises(ConfigError, match="run one trainer for now"):  # before torchrun's
-        check_replica_run(build_config(overrides=several), None, torchrun=False)
+        config = build_config(overrides=several)
+        check_replica_run(None, False, shards=config.shards, trainers=config.trainers, elastic=config.elastic)
     bad = adloco_process("lighthouse", "--port", "70000", cwd=tmp_path)
     assert bad.returncode == 2 and "not a port number" in bad.stderr.splitlines()[-1]
 

@@ -9,10 +9,15 @@ import torch
 
 from adloco.cli import main
 from adloco.cluster.placement import check_world, hosted_workers, rank_placement
-from adloco.config import ConfigError, build_config
+from adloco.config import ConfigError, WorldSpec, build_config
 from adloco.config.input import layered
 from tests.comm.test_distributed import _env, _torchrun_command
 from tests.conftest import FAST
+
+
+def _world(overrides: list[str]) -> WorldSpec:
+    """What the ranks of the run with these overrides must hold, as ``adloco train`` reads it from its config."""
+    return build_config(overrides=overrides).world
 
 
 def test_rank_placement_gives_contiguous_blocks():
@@ -34,7 +39,7 @@ def test_rank_placement_gives_contiguous_blocks():
 def test_workers_that_do_not_fill_the_ranks_are_refused(workers, world, slots, fragment):
     overrides = [f"workers={workers}"] + ([f"slots_per_rank={slots}"] if slots else [])
     with pytest.raises(ConfigError, match=re.escape(fragment)):
-        check_world(build_config(overrides=overrides), world, torchrun=True)
+        check_world(_world(overrides), world, torchrun=True)
 
 
 @pytest.mark.parametrize(
@@ -48,21 +53,21 @@ def test_workers_that_do_not_fill_the_ranks_are_refused(workers, world, slots, f
 )
 def test_shard_arithmetic_is_checked_before_anything_is_built(overrides, world, torchrun, fragment):
     with pytest.raises(ConfigError, match=re.escape(fragment)):
-        check_world(build_config(overrides=overrides), world, torchrun)
+        check_world(_world(overrides), world, torchrun)
 
 
 def test_a_job_that_fits_passes():
-    check_world(build_config(overrides=["workers=2", "shards=2"]), 4, torchrun=True)
-    check_world(build_config(overrides=["elastic=true", "workers=4"]), 3, torchrun=True)  # the ranks decide
-    check_world(build_config(overrides=["comm.backend=nccl"]), 1, torchrun=False)  # one process has no backend
+    check_world(_world(["workers=2", "shards=2"]), 4, torchrun=True)
+    check_world(_world(["elastic=true", "workers=4"]), 3, torchrun=True)  # the ranks decide
+    check_world(_world(["comm.backend=nccl"]), 1, torchrun=False)  # one process has no backend
 
 
 def test_nccl_is_refused_where_it_cannot_run(monkeypatch):
     with pytest.raises(ConfigError, match="with device=cpu use comm.backend=gloo"):
-        check_world(build_config(overrides=["comm.backend=nccl", "device=cpu"]), 4, torchrun=True)
+        check_world(_world(["comm.backend=nccl", "device=cpu"]), 4, torchrun=True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="nccl needs CUDA GPUs and this machine has none"):
-        check_world(build_config(overrides=["comm.backend=nccl"]), 4, torchrun=True)
+        check_world(_world(["comm.backend=nccl"]), 4, torchrun=True)
 
 
 def test_sharded_workers_in_one_process_are_one_line_before_a_run_directory(tmp_path, capsys):
@@ -96,8 +101,15 @@ def test_an_elastic_job_says_how_many_workers_its_ranks_give(monkeypatch):
 
     monkeypatch.setattr(distributed, "launched_by_torchrun", lambda: True)
     default = build_config(overrides=["elastic=true"])  # workers left to its default, 4
-    config, note = placement.elastic_size(default, world_size=2, fresh=True)
-    assert config.workers == 2 and note == "elastic: this job has 2 ranks × 1 worker slot(s) = 2 workers, not workers=4"
-    assert placement.elastic_size(default, world_size=2, fresh=False)[1] is None  # a resume says "workers: 4 -> 2"
+
+    def size(config, fresh):  # on 2 ranks, as adloco train asks
+        given = "workers" in config.given_keys
+        return placement.elastic_size(
+            config.workers, 2, fresh, elastic=config.elastic, slots_per_rank=config.slots_per_rank, given=given
+        )
+
+    workers, note = size(default, fresh=True)
+    assert workers == 2 and note == "elastic: this job has 2 ranks × 1 worker slot(s) = 2 workers, not workers=4"
+    assert size(default, fresh=False) == (2, None)  # a resume says "workers: 4 -> 2"
     with pytest.raises(ConfigError, match="workers=4: an elastic job has one worker per rank slot"):
-        placement.elastic_size(build_config(overrides=["elastic=true", "workers=4"]), world_size=2, fresh=True)
+        size(build_config(overrides=["elastic=true", "workers=4"]), fresh=True)

@@ -12,13 +12,12 @@ import torch
 
 import adloco
 from adloco.api.settings import loop_settings
-from adloco.api.train_parts import method_sections
+from adloco.api.train_parts import diloco_arguments
 from adloco.cluster.cluster import Cluster
 from adloco.comm.local import LocalCommunicator
 from adloco.config import ConfigError, TrainConfig, build_config
 from adloco.config.methods import METHODS, Method, register
 from adloco.docs import configuration_markdown
-from adloco.replicas.training import _sections
 from adloco.run.training import tokenizer_and_task
 from adloco.sync import STRATEGIES, DDPSync, DiLoCoSync, OverlappedSync, StreamingSync
 from adloco.tools.estimate import _syncs_per_round
@@ -122,9 +121,11 @@ def test_the_methods_config_api_replicas_estimate_and_docs_know_are_the_registry
         assert loop_settings(name, 4, 2, {}).method == name  # a user's loop: validated as adloco train does
         config = build_config({"method": name, "sync_every": 6})
         assert _syncs_per_round(config.method, config.first_sync_every) == (6 if method.every_step else 1)
-        own = method_sections(config, task.context)
-        assert set(own) == set(method.sections) | ({"total_samples"} if method.adaptive_batch else set())
-        assert set(own) <= set(_sections(config, task))  # a replica hands DiLoCo the method's sections too
+        common = {"sync_every", "method", "trainers", "outer", "codec", "sync_auto", "merge"}
+        own = set(diloco_arguments(config, task.context)) - common
+        assert own == set(method.sections) | ({"total_samples"} if method.adaptive_batch else set())
+        # a replica hands DiLoCo the method's sections too, and its own
+        assert set(diloco_arguments(config, task.context, replica=True)) == common | own | {"fault_tolerance"}
     with pytest.raises(ConfigError, match="method: 'hivemind' is not one of " + ", ".join(METHODS)):
         loop_settings("hivemind", 4, 2, {})
 

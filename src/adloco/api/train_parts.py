@@ -34,12 +34,7 @@ class TrainParts:
     def diloco_settings(self) -> dict[str, Any]:
         """``DiLoCo``'s arguments from the config: ``DiLoCo(parts.model, parts.optimizer, **parts.diloco_settings())``
         (AdLoCo: its batch section and the budget in samples)."""
-        config = self.config
-        settings: dict[str, Any] = {"sync_every": config.sync_every, "method": config.method,
-                                    "trainers": config.trainers}  # fmt: skip
-        for name in ("outer", "codec", "sync_auto", "merge"):
-            settings[name] = getattr(config, name).model_dump()
-        return settings | method_sections(config, self.task.context)
+        return diloco_arguments(self.config, self.task.context)
 
     def lr(self, step: int, tokens: int) -> float:
         """The inner lr of inner step ``step`` (0-based) when the job has read ``tokens`` of its ``total_tokens``
@@ -54,14 +49,17 @@ class TrainParts:
             group["lr"] = self.lr(step, tokens)
 
 
-def method_sections(config: TrainConfig, context: int) -> dict[str, Any]:
-    """``DiLoCo``'s settings that only the config's method takes: its own sections (streaming's fragments, AdLoCo's
-    batch) and, with an adaptive batch, the budget in samples of ``context`` tokens."""
+def diloco_arguments(config: TrainConfig, context: int, replica: bool = False) -> dict[str, Any]:
+    """``DiLoCo``'s keyword arguments from a run's config: the method, H and trainers, the sections every method
+    reads, the method's own (streaming's fragments, AdLoCo's batch and its budget in samples of ``context`` tokens)
+    and, for a fault-tolerant replica, its ``fault_tolerance`` section."""
     method = METHODS[config.method]
-    settings: dict[str, Any] = {name: getattr(config, name).model_dump() for name in method.sections}
+    names = ("outer", "codec", "sync_auto", "merge", *(("fault_tolerance",) if replica else ()), *method.sections)
+    arguments: dict[str, Any] = {"sync_every": config.sync_every, "method": config.method, "trainers": config.trainers}
+    arguments |= {name: getattr(config, name).model_dump() for name in names}
     if method.adaptive_batch:
-        settings["total_samples"] = config.total_tokens // context
-    return settings
+        arguments["total_samples"] = config.total_tokens // context
+    return arguments
 
 
 def train_parts(overrides: Sequence[str] = (), worker: int = 0, workers: int = 1) -> TrainParts:

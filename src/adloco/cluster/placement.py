@@ -7,14 +7,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from adloco.config import WorldSpec
 from adloco.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
-
-    from adloco.config import TrainConfig
 
 
 def rank_placement(total_workers: int, world_size: int, slots_per_rank: int | None) -> dict[int, int]:
@@ -43,11 +42,11 @@ def hosted_workers(
     return {w for w, r in placed.items() if r == rank // shards}
 
 
-def check_world(config: TrainConfig, world_size: int, torchrun: bool) -> None:
+def check_world(spec: WorldSpec, world_size: int, torchrun: bool) -> None:
     """ConfigError, before anything is built, when the ranks cannot host the job: sharded workers outside torchrun
     or on a world that is not a multiple of ``shards``, workers that do not fill the ranks, a backend this machine
     lacks."""
-    shards = config.shards
+    shards = spec.shards
     if shards > 1 and not torchrun:
         raise ConfigError(
             f"shards={shards}: a worker sharded over {shards} ranks needs torchrun, one process per rank, with a "
@@ -59,9 +58,9 @@ def check_world(config: TrainConfig, world_size: int, torchrun: bool) -> None:
             f"multiple of {shards} (ranks = workers ÷ slots_per_rank × shards)"
         )
     if torchrun:
-        _check_backend(config.comm.backend, config.device)
-    if not (config.elastic and torchrun):  # an elastic job takes its worker count from the ranks
-        rank_placement(config.total_workers, world_size // shards, config.slots_per_rank)
+        _check_backend(spec.backend, spec.device)
+    if not (spec.elastic and torchrun):  # an elastic job takes its worker count from the ranks
+        rank_placement(spec.total_workers, world_size // shards, spec.slots_per_rank)
 
 
 def _check_backend(backend: str, device: str) -> None:
@@ -78,27 +77,29 @@ def _check_backend(backend: str, device: str) -> None:
         raise ConfigError("comm.backend: nccl is not built into this torch; use comm.backend=gloo")
 
 
-def elastic_size(config: TrainConfig, world_size: int, fresh: bool) -> tuple[TrainConfig, str | None]:
-    """The config of this start: under torchrun an elastic job has as many workers as its ranks hold slots; and a
-    line for the user when that is not the ``workers`` the config names. A fresh start refuses a ``workers`` the
-    user gave that the ranks contradict."""
+def elastic_size(
+    workers: int, world_size: int, fresh: bool, *, elastic: bool, slots_per_rank: int | None, given: bool
+) -> tuple[int, str | None]:
+    """The worker count of this start, of a config that names ``workers``: under torchrun an ``elastic`` job has as
+    many workers as its ranks hold slots; and a line for the user when that is not ``workers``. A fresh start
+    refuses a ``workers`` the user gave (``given``) that the ranks contradict."""
     from adloco.comm.distributed import launched_by_torchrun  # torch loads only when a job starts
 
-    if not config.elastic or not launched_by_torchrun():
-        return config, None
-    slots = config.slots_per_rank or 1
-    workers = world_size * slots
-    if workers == config.workers:
-        return config, None
-    why = f"{world_size} ranks × {slots} worker slot(s) = {workers} workers"
-    if fresh and "workers" in config.given_keys:
+    if not elastic or not launched_by_torchrun():
+        return workers, None
+    slots = slots_per_rank or 1
+    sized = world_size * slots
+    if sized == workers:
+        return workers, None
+    why = f"{world_size} ranks × {slots} worker slot(s) = {sized} workers"
+    if fresh and given:
         raise ConfigError(
-            f"workers={config.workers}: an elastic job has one worker per rank slot, here {why}; leave workers out, "
-            f"or launch ranks × slots_per_rank = {config.workers}"
+            f"workers={workers}: an elastic job has one worker per rank slot, here {why}; leave workers out, "
+            f"or launch ranks × slots_per_rank = {workers}"
         )
     # A resumed or restarted job says the change with the other resume-time changes ("workers: 4 -> 3").
-    note = f"elastic: this job has {why}, not workers={config.workers}" if fresh else None
-    return config.model_copy(update={"workers": workers}), note
+    note = f"elastic: this job has {why}, not workers={workers}" if fresh else None
+    return sized, note
 
 
 def resolve_device(device: str, precision: str, tf32: bool) -> tuple[torch.device, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,6 +70,20 @@ def _adam_outer_defaults(outer: OuterConfig) -> tuple[float, float, bool]:
         if getattr(outer, key) not in (None, 0, False):
             raise ValueError(f"outer.{key}: applies to outer.optimizer=sgd; adam's momentum is outer.betas")
     return ADAM_OUTER_LR, 0.0, False
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    """What the ranks of a job must hold, the config's ``world``: every trainer's workers
+    (``total_workers``), the worker slots of a rank, the ranks of a worker (``shards``), whether the ranks decide
+    the worker count (``elastic``), and the backend and device its ranks exchange with."""
+
+    total_workers: int
+    slots_per_rank: int | None
+    shards: int
+    elastic: bool
+    backend: str
+    device: str
 
 
 class TrainConfig(BaseModel):
@@ -374,6 +389,13 @@ class TrainConfig(BaseModel):
     def total_workers(self) -> int:
         assert self.trainers is not None and self.workers is not None
         return self.trainers * self.workers
+
+    @property
+    def world(self) -> WorldSpec:
+        """What the job's ranks must hold (``cluster.placement.check_world`` checks a world against it)."""
+        return WorldSpec(
+            self.total_workers, self.slots_per_rank, self.shards, self.elastic, self.comm.backend, self.device
+        )
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +29,10 @@ from rich.console import Console
 from adloco.algorithms.schedules import inner_lr
 from adloco.algorithms.sharding import local_rows
 from adloco.api import DiLoCo
-from adloco.api.train_parts import method_sections
+from adloco.api.train_parts import diloco_arguments
 from adloco.checkpoint import REPLICA, latest_checkpoint, save_checkpoint
 from adloco.cluster.placement import resolve_device
-from adloco.config import ConfigError, TrainConfig
+from adloco.config import CheckpointConfig, ConfigError, EvalConfig, InnerConfig, RunConfig, TrainConfig
 from adloco.data.tokenization import SAVED_DIR, save_tokenizer
 from adloco.errors import CheckpointError, first_line
 from adloco.metrics.writer import MetricsWriter, read_metrics
@@ -52,28 +52,29 @@ log = logging.getLogger("adloco")
 CHECKPOINTS = "checkpoints"  # a replica's checkpoints, in its run directory
 
 
-def check_replica_run(config: TrainConfig, resume: Path | None, torchrun: bool) -> None:
-    """What ``adloco train`` as a replica cannot be, each as a one-line error."""
+def check_replica_run(resume: Path | None, torchrun: bool, *, shards: int, trainers: int, elastic: bool) -> None:
+    """What ``adloco train`` as a replica cannot be, each as a one-line error: its ``shards``, ``trainers`` and
+    ``elastic`` settings against how it was started (``resume``, ``torchrun``)."""
     from adloco.comm.distributed import world_size_from_env
 
-    if config.shards > 1 and config.trainers > 1:
+    if shards > 1 and trainers > 1:
         raise ConfigError("fault_tolerance: a sharded worker's replicas run one trainer for now (trainers=1)")
-    if config.shards > 1 and (not torchrun or world_size_from_env() != config.shards):
-        raise ConfigError(f"fault_tolerance with shards={config.shards}: each replica is a torchrun job of its own "
-                          f"{config.shards} ranks (torchrun --nproc_per_node={config.shards})")  # fmt: skip
-    if torchrun and config.shards == 1:
+    if shards > 1 and (not torchrun or world_size_from_env() != shards):
+        raise ConfigError(f"fault_tolerance with shards={shards}: each replica is a torchrun job of its own "
+                          f"{shards} ranks (torchrun --nproc_per_node={shards})")  # fmt: skip
+    if torchrun and shards == 1:
         raise ConfigError("fault_tolerance: each replica is a process of its own; start it without torchrun")
     if resume is not None:
         raise ConfigError("--resume: a replica started again goes on from its own checkpoint, or heals from its "
                           "peers when they are further on; start it with the same command")  # fmt: skip
-    if config.elastic:
+    if elastic:
         raise ConfigError("fault_tolerance: adloco train's replicas take elastic=false (the replicas are elastic)")
 
 
-def replica_run_dir(config: TrainConfig) -> Path:
-    """This replica's run directory, the same for every start of it (its metrics go on in the same file)."""
-    assert config.fault_tolerance.replica is not None
-    path = Path(config.run.root) / (config.run.name or "replicas") / f"replica{config.fault_tolerance.replica}"
+def replica_run_dir(run: RunConfig, replica: int) -> Path:
+    """Replica ``replica``'s run directory under ``run.root``, the same for every start of it (its metrics go on in
+    the same file)."""
+    path = Path(run.root) / (run.name or "replicas") / f"replica{replica}"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except (OSError, ValueError) as error:
@@ -82,9 +83,30 @@ def replica_run_dir(config: TrainConfig) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """What a replica's loop reads of the run's config, read once at the top (``train_replica``): which replica of
+    how many it is, the seed, the token budget, b (and a sharded step's b_max), the inner, eval, checkpoint and
+    run sections, and DiLoCo's arguments by name."""
+
+    replica: int
+    replicas: int
+    seed: int
+    total_tokens: int
+    batch_size: int
+    b_max: int | None
+    inner: InnerConfig
+    eval: EvalConfig
+    checkpoint: CheckpointConfig
+    run: RunConfig
+    diloco: dict[str, Any]
+
+
 def train_replica(config: TrainConfig, task: Task, tokenizer: Any, console: Console) -> dict[str, Any]:
     """Train this replica to the token budget; the summary of the run (as ``adloco train`` prints it)."""
-    run_dir = replica_run_dir(config)
+    ft = config.fault_tolerance
+    assert ft.replica is not None
+    run_dir = replica_run_dir(config.run, ft.replica)
     shards: ReplicaShards | None = None
     lock, error = None, None
     try:
@@ -98,7 +120,12 @@ def train_replica(config: TrainConfig, task: Task, tokenizer: Any, console: Cons
             write_run_config(run_dir, config.to_yaml())
             if not (run_dir / SAVED_DIR).exists():
                 save_tokenizer(tokenizer, run_dir / SAVED_DIR)
-        return {"run_dir": run_dir, **_train_in(config, task, tokenizer.describe(), run_dir, console, shards)}
+        device, config.precision = resolve_device(config.device, config.precision, config.tf32)
+        diloco = diloco_arguments(config, task.context, replica=True)
+        settings = _Settings(ft.replica, ft.replicas, config.seed, config.total_tokens, config.batch.size,
+                             config.batch.memory.b_max, config.inner, config.eval, config.checkpoint, config.run,
+                             diloco)  # fmt: skip
+        return {"run_dir": run_dir, **_train_in(settings, device, task, tokenizer.describe(), run_dir, console, shards)}
     except BaseException as raised:
         error = raised
         raise
@@ -109,18 +136,23 @@ def train_replica(config: TrainConfig, task: Task, tokenizer: Any, console: Cons
             shards.close()
 
 
-def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, console, shards: ReplicaShards | None) -> dict:
-    ft = config.fault_tolerance
-    device, config.precision = resolve_device(config.device, config.precision, config.tf32)
-    model = task.build_model(config.seed)  # on the CPU: a sharded worker's rank holds only its rows on the device
+def _train_in(
+    settings: _Settings,
+    device: torch.device,
+    task: Task,
+    tokenizer_info: dict,
+    run_dir: Path,
+    console: Console,
+    shards: ReplicaShards | None,
+) -> dict:
+    model = task.build_model(settings.seed)  # on the CPU: a sharded worker's rank holds only its rows on the device
     model = model.to(device) if shards is None else shards.shard(model, device)
-    optimizer = _inner_optimizer(model, config, device)
-    stream = task.worker_stream(config.seed, ft.replica, ft.replicas)
+    optimizer = _inner_optimizer(model, settings.inner, device)
+    stream = task.worker_stream(settings.seed, settings.replica, settings.replicas)
     started = time.perf_counter()
     saved = _own_checkpoint(run_dir / CHECKPOINTS, model, optimizer, shards)
     try:
-        diloco = DiLoCo(model, optimizer, config.sync_every, config.method, **_sections(config, task),
-                        trainers=config.trainers, state=None if saved is None else saved["diloco"])  # fmt: skip
+        diloco = DiLoCo(model, optimizer, **settings.diloco, state=None if saved is None else saved["diloco"])
     except ValueError as error:
         if saved is None:
             raise
@@ -133,8 +165,8 @@ def _train_in(config, task: Task, tokenizer_info: dict, run_dir: Path, console, 
     path = run_dir / "metrics.jsonl"
     metrics = MetricsWriter(path, resume_round=saved["round"] if resumed else None) if speaks else _Unwritten(path)
     try:
-        loop = _ReplicaLoop(config, task, stream, diloco, metrics, run_dir / CHECKPOINTS, shards)
-        return _train_with(loop, config, tokenizer_info, run_dir, console if speaks else None, started)
+        loop = _ReplicaLoop(settings, task, stream, diloco, metrics, run_dir / CHECKPOINTS, shards)
+        return _train_with(loop, settings, tokenizer_info, run_dir, console if speaks else None, started)
     finally:
         metrics.close()
 
@@ -174,14 +206,21 @@ def _own_checkpoint(
     return saved
 
 
-def _train_with(loop: _ReplicaLoop, config, tokenizer_info: dict, run_dir: Path, console, started: float) -> dict:
+def _train_with(
+    loop: _ReplicaLoop,
+    settings: _Settings,
+    tokenizer_info: dict,
+    run_dir: Path,
+    console: Console | None,
+    started: float,
+) -> dict:
     """The replica's rounds, then its final record (and export) of θ. ``console`` None: a sharded worker's rank
     other than its first, which trains and takes part in gathering θ but writes nothing."""
-    ft, task, diloco, metrics = config.fault_tolerance, loop.task, loop.diloco, loop.metrics
-    if config.run.progress and console is not None:
-        console.print(f"adloco: replica {ft.replica} of {ft.replicas} at step {diloco.inner_step}, run directory "
-                      f"{run_dir}", markup=False, highlight=False, soft_wrap=True)  # fmt: skip
-    loop.run(console if config.run.progress else None)
+    task, diloco, metrics, run = loop.task, loop.diloco, loop.metrics, settings.run
+    if run.progress and console is not None:
+        console.print(f"adloco: replica {settings.replica} of {settings.replicas} at step {diloco.inner_step}, run "
+                      f"directory {run_dir}", markup=False, highlight=False, soft_wrap=True)  # fmt: skip
+    loop.run(console if run.progress else None)
     diloco.finish()  # the model is θ now
     loop.write_rounds(last=True)
     theta = loop.whole_theta(diloco.trainer)
@@ -190,28 +229,21 @@ def _train_with(loop: _ReplicaLoop, config, tokenizer_info: dict, run_dir: Path,
     summary = {"tokens": loop.tokens, "rounds": diloco.rounds.count, "seconds": seconds}
     if console is None:
         return {**summary, "val_loss": math.nan}
-    limit = None if config.eval.final_full else config.eval.blocks
+    limit = None if settings.eval.final_full else settings.eval.blocks
     final = task.evaluate(loop.eval_model, theta, limit)
     summary.update(val_loss=final.loss, perplexity=math.exp(final.loss), accuracy=final.accuracy)
     own = diloco.trainer.trainer_id  # by trainer, as adloco train's final record (this replica's θ is its own's)
-    metrics.write("final", **{**summary, "val_loss": {own: final.loss}}, best_trainer=own, replica=ft.replica,
+    metrics.write("final", **{**summary, "val_loss": {own: final.loss}}, best_trainer=own, replica=settings.replica,
                   steps=diloco.inner_step, samples_read=loop.read, bytes_total=sent)  # fmt: skip
-    if config.run.save_final:
+    if run.save_final:
         export_final(loop.eval_model, theta, run_dir, tokenizer_info)
     return summary
 
 
-def _inner_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+def _inner_optimizer(model: torch.nn.Module, inner: InnerConfig, device: torch.device) -> torch.optim.Optimizer:
     from adloco.workers.inner_optimizer import inner_optimizer
 
-    return inner_optimizer(model, config.inner, adamw_kernel(device))
-
-
-def _sections(config: TrainConfig, task: Task) -> dict[str, Any]:
-    """DiLoCo's settings from the run's config sections (and the method's own: AdLoCo's batch and budget)."""
-    names = ("outer", "codec", "sync_auto", "fault_tolerance", "merge")
-    sections = {name: getattr(config, name).model_dump() for name in names}
-    return sections | method_sections(config, task.context)
+    return inner_optimizer(model, inner, adamw_kernel(device))
 
 
 class _ReplicaLoop:
@@ -219,19 +251,26 @@ class _ReplicaLoop:
     ``method=adloco`` the adaptive batch decides how many samples a step reads and the budget ends the run."""
 
     def __init__(
-        self, config, task, stream, diloco: DiLoCo, metrics, checkpoints: Path, shards: ReplicaShards | None = None
+        self,
+        settings: _Settings,
+        task: Task,
+        stream: Any,
+        diloco: DiLoCo,
+        metrics: MetricsWriter | _Unwritten,
+        checkpoints: Path,
+        shards: ReplicaShards | None = None,
     ) -> None:
-        self.config, self.task, self.model, self.optimizer = config, task, diloco.model, diloco.optimizer
+        self.settings, self.task, self.model, self.optimizer = settings, task, diloco.model, diloco.optimizer
         self.stream, self.diloco, self.metrics, self.checkpoints = stream, diloco, metrics, checkpoints
         self.shards = shards  # the ranks of a sharded worker; its first one writes
         self.device = local_rows(next(self.model.parameters())).device
         self.speaks = shards is None or shards.first  # a sharded worker's first rank writes and evaluates
         # θ is evaluated apart from the worker
-        self.eval_model = task.build_model(config.seed).to(self.device) if self.speaks else None
+        self.eval_model = task.build_model(settings.seed).to(self.device) if self.speaks else None
         self.val: dict[int, dict[int, float]] = {}  # rounds (from 1) evaluated, by trainer, not yet in a record
-        self.b = config.batch.size
-        self.per_step = config.fault_tolerance.replicas * self.b * task.context  # tokens per step, all present
-        self.total_steps = math.ceil(config.total_tokens / self.per_step)
+        self.b = settings.batch_size
+        self.per_step = settings.replicas * self.b * task.context  # tokens per step, all present
+        self.total_steps = math.ceil(settings.total_tokens / self.per_step)
         self.read = 0  # samples this worker's stream has handed out
         self.written = 0  # rounds of diloco.replica.history in metrics.jsonl
         self.merges_written = 0  # of diloco.merges (several trainers)
@@ -248,7 +287,7 @@ class _ReplicaLoop:
             if not self.diloco.batch:
                 while self.diloco.inner_step < self.total_steps:
                     step = self.diloco.inner_step
-                    fraction = step * self.per_step / self.config.total_tokens
+                    fraction = step * self.per_step / self.settings.total_tokens
                     self._step(self.b, step, fraction, console)
             else:
                 self._adaptive_rounds(console)
@@ -256,7 +295,7 @@ class _ReplicaLoop:
     def _adaptive_rounds(self, console: Console | None) -> None:
         """Rounds of the batch the adaptive batch asks for; the budget (in tokens, over the workers present) cuts
         the last one short, as adloco train's does."""
-        batch, context, total = self.diloco.batch, self.task.context, self.config.total_tokens
+        batch, context, total = self.diloco.batch, self.task.context, self.settings.total_tokens
         assert batch
         while batch.samples_done * context < total:
             self._catch_up()  # a heal (at the start, or at this round's quorum) moves the stream
@@ -280,13 +319,13 @@ class _ReplicaLoop:
             # each); on a statistics step in groups, for the batch test
             self.losses.append(self.diloco.batch.backward(lambda *xs: self.task.loss(self.model, *xs), *data))
         elif self.shards is not None:  # this rank's share of the step, as adloco train shards=S splits it
-            b_max = self.config.batch.memory.b_max or samples
+            b_max = self.settings.b_max or samples
             self.losses.append(self.shards.backward(self._loss_of(data), samples, b_max))
         else:
             loss = self.task.loss(self.model, *data)
             loss.backward()
             self.losses.append(loss.detach())  # no wait for the GPU every step
-        inner = self.config.inner
+        inner = self.settings.inner
         if inner.clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), inner.clip, foreach=False)
         lr = inner_lr(step, fraction, inner.lr, inner.min_lr, inner.warmup_steps)
@@ -299,7 +338,7 @@ class _ReplicaLoop:
             self._evaluate_if_due()
             self._checkpoint_if_due()
         self.write_rounds()
-        if console is not None and time.monotonic() - self.shown >= self.config.run.progress_every_s:
+        if console is not None and time.monotonic() - self.shown >= self.settings.run.progress_every_s:
             self.shown = time.monotonic()
             console.print(self._progress(), markup=False, highlight=False, soft_wrap=True)
 
@@ -320,9 +359,9 @@ class _ReplicaLoop:
     def _evaluate_if_due(self) -> None:
         """Each trainer's θ after the round that just ended on ``eval.blocks`` validation blocks, every
         ``eval.every`` rounds (as adloco train's periodic evaluation)."""
-        count, replica, blocks = self.diloco.rounds.count, self.diloco.replica, self.config.eval.blocks
+        count, replica, blocks = self.diloco.rounds.count, self.diloco.replica, self.settings.eval.blocks
         assert replica is not None
-        if count % self.config.eval.every == 0 and not replica.healed:  # healed: the peers' round, not in a record
+        if count % self.settings.eval.every == 0 and not replica.healed:  # healed: the peers' round, not in a record
             thetas = {k: self.whole_theta(trainer) for k, trainer in self.diloco.trainers.items()}
             if self.eval_model is not None:
                 self.val[count] = {k: self.task.evaluate(self.eval_model, theta, blocks).loss
@@ -332,14 +371,14 @@ class _ReplicaLoop:
         """This replica's state at a round's end (its next quorum formed), every ``checkpoint.every`` rounds or
         ``checkpoint.every_minutes``: DiLoCo's (θ, outer state, counters, torchft's step), the model's and the
         inner optimizer's. Written atomically; the stream needs nothing (it reads on from the step)."""
-        every, minutes = self.config.checkpoint.every, self.config.checkpoint.every_minutes
+        every, minutes = self.settings.checkpoint.every, self.settings.checkpoint.every_minutes
         count = self.diloco.rounds.count
         late = minutes is not None and time.monotonic() - self.saved_at >= 60 * minutes
         if self.shards is not None and minutes is not None:  # the ranks of a sharded worker save the same rounds
             late = self.shards.any(late)
         if count % every and not late:
             return
-        keep = self.config.checkpoint.keep
+        keep = self.settings.checkpoint.keep
         self.checkpoints.mkdir(exist_ok=True)
         if self.shards is None:
             state = {"diloco": self.diloco.state_dict(), "model": self.model.state_dict(),

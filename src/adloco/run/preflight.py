@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from adloco.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-    from adloco.config import TrainConfig
+    from adloco.config import DataConfig, ModelConfig, WorldSpec
 
 _FLOAT = 4  # bytes: parameters, gradients and optimizer state are float32
 _GIB = 2**30
@@ -108,20 +108,31 @@ def check_rank_memory(
     check_memory(estimate, available_memory())
 
 
-def check_inputs(config: TrainConfig, resume: Path | None = None) -> None:
-    """What a run's settings name, checked before torch is imported: the run directory, the ranks the launcher
-    started against the workers and shards, and a language model's data source (``adloco.data.preflight``)."""
+def check_inputs(
+    task: Literal["lm", "classification"],
+    model: ModelConfig,
+    data: DataConfig,
+    resume: Path | None = None,
+    *,
+    world: WorldSpec | None = None,
+    run_root: str | None = None,
+) -> None:
+    """What a run's settings name, checked before torch is imported: the ranks the launcher started against what
+    they must hold (``world``), the run directory under ``run_root`` (or ``resume``'s checkpoint), and a language
+    model's data source (``adloco.data.preflight``). A fault-tolerant replica's world and run directory are its
+    own: it gives neither ``world`` nor ``run_root``."""
     from adloco.cluster.placement import check_world
     from adloco.comm.launcher import launched_by_torchrun, world_size_from_env
     from adloco.config.sections import PRESETS
     from adloco.data.preflight import check_data
 
-    if config.fault_tolerance.lighthouse is None:  # a replica's world and run directory are its own
-        check_world(config, world_size_from_env(), launched_by_torchrun())
-        check_run_root(config.run.root, resume)
-    if config.task == "lm":
-        preset = PRESETS.get(config.model.preset or "")
-        check_data(config.data, config.model.context or (preset[5] if preset else None))
+    if world is not None:
+        check_world(world, world_size_from_env(), launched_by_torchrun())
+    if run_root is not None:
+        check_run_root(run_root, resume)
+    if task == "lm":
+        preset = PRESETS.get(model.preset or "")
+        check_data(data, model.context or (preset[5] if preset else None))
 
 
 def check_run_root(run_root: str | Path, resume: Path | None) -> None:

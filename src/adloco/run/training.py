@@ -146,7 +146,7 @@ def train(
     """
     console = console or Console(stderr=True)
     torchrun = comm is not None and comm.world_size > 1 or launched_by_torchrun()
-    check_world(config, comm.world_size if comm is not None else world_size_from_env(), torchrun)
+    check_world(config.world, comm.world_size if comm is not None else world_size_from_env(), torchrun)
     if config.threads:
         torch.set_num_threads(config.threads)
     owns_comm = comm is None
@@ -162,7 +162,11 @@ def train(
 
 
 def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm: Communicator) -> TrainResult:
-    config, resized = elastic_size(config, comm.world_size, fresh=resume is None and restart_attempt() == 0)
+    workers, resized = elastic_size(config.workers, comm.world_size, fresh=resume is None and restart_attempt() == 0,
+                                    elastic=config.elastic, slots_per_rank=config.slots_per_rank,
+                                    given="workers" in config.given_keys)  # fmt: skip
+    if workers != config.workers:  # a copy: the caller's config keeps the workers it named
+        config = config.model_copy(update={"workers": workers})
     device, config.precision = resolve_device(config.device, config.precision, config.tf32)  # config.yaml records it
     # run.mfu=true on a device of unknown peak: refused now
     job_peak_flops(config.run, config.precision, config.tf32, device, comm.world_size)
@@ -233,13 +237,18 @@ def tokenizer_and_task(config: TrainConfig, resume: Path | None) -> tuple:
     saved = resume / SAVED_DIR if resume is not None and config.data.tokenizer != "byte" else None
     if config.task == "classification":
         tokenizer = build_tokenizer(config.data, classification_texts(config.data), saved)
-        return tokenizer, build_task(config, tokenizer)
+        return tokenizer, build_task(config.task, config.model, config.data, config.seed, tokenizer)
     # token files were tokenized already: their tokenizer is the one that wrote them, nothing is read to train one
     source = None if names_token_files(config.data.dataset) else source_from_config(config.data)
     texts = None if source is None else training_texts(config.data, source)
     tokenizer = build_tokenizer(config.data, texts, saved)
     return tokenizer, build_task(
-        config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context, source, seed=config.seed)
+        config.task,
+        config.model,
+        config.data,
+        config.seed,
+        tokenizer,
+        lambda context: load_corpus(config.data, tokenizer, context, source, seed=config.seed),
     )
 
 

@@ -161,8 +161,13 @@ def load_parameters(
     """The model at the requested θ and the run's task: ``final`` (exported best trainer), ``latest`` or a round.
 
     None picks ``final`` when the run exported a model and the latest checkpoint otherwise. ``config`` is the
-    run's whole config because ``build_task`` takes it.
+    run's whole config: the task is built from several of its sections and its seed.
     """
+
+    def task_of(tokenizer: Any, model_config: Any = None) -> Task:
+        return build_task(config.task, config.model, config.data, config.seed, tokenizer,
+                          lambda context: load_corpus(config.data, tokenizer, context), model_config)  # fmt: skip
+
     has_final = (run_dir / "final" / "config.json").exists()
     if checkpoint is None:
         if not has_final and not list_checkpoints(run_dir / "checkpoints"):
@@ -174,14 +179,11 @@ def load_parameters(
         from adloco.tools.inference import load_final
 
         model, tokenizer = load_final(run_dir)
-        task = build_task(
-            config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context), model_config=model.config
-        )
-        return model, task, _final_source(run_dir, config.workers)
+        return model, task_of(tokenizer, model.config), _final_source(run_dir, config.workers)
     path, sha256 = _checkpoint_path(run_dir / "checkpoints", checkpoint)
     # The run's own tokenizer: a trained BPE is reloaded from the run, never trained again.
     tokenizer = build_tokenizer(config.data, None, None if config.data.tokenizer == "byte" else run_dir / SAVED_DIR)
-    task = build_task(config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context))
+    task = task_of(tokenizer)
     model = task.build_model(config.seed)
     source = _load_checkpoint(run_dir, path, sha256, model, trainer)
     return model.eval(), task, source

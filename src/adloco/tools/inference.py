@@ -62,7 +62,13 @@ def evaluate_final(run_dir: Path) -> Evaluation:
     config = resume_config(run_dir)
     model, tokenizer = load_final(run_dir)
     task = build_task(
-        config, tokenizer, lambda context: load_corpus(config.data, tokenizer, context), model_config=model.config
+        config.task,
+        config.model,
+        config.data,
+        config.seed,
+        tokenizer,
+        lambda context: load_corpus(config.data, tokenizer, context),
+        model_config=model.config,
     )
     return task.evaluate(model, [p.detach().clone() for p in model.parameters()])
 

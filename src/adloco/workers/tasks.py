@@ -14,11 +14,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
-from adloco.config import ConfigError, DataConfig, TrainConfig
+from adloco.config import ConfigError, DataConfig, ModelConfig
 from adloco.data import BUNDLED, DataError, Tokenizer, spread
 from adloco.data.labelled import LabelledRows, LabelledSplit, SampleStream, label_names, read_labelled, split_rows
 from adloco.models.build import ModelSpec, classification_loss, max_positions, next_token_loss, resolve_model
@@ -222,27 +222,31 @@ def classification_texts(data: DataConfig) -> Iterator[str]:
 
 
 def build_task(
-    config: TrainConfig,
+    kind: Literal["lm", "classification"],
+    model: ModelConfig,
+    data: DataConfig,
+    seed: int,
     tokenizer: Tokenizer,
     load_corpus: Callable[[int], Any] | None = None,
     model_config: PretrainedConfig | None = None,
 ) -> Task:
-    """The task ``config.task`` names, with its model spec and data.
+    """The task of ``kind`` (the config's ``task``), with the model the ``model`` section names and its data, its
+    init and sample streams seeded by ``seed``.
 
-    ``load_corpus(context)`` reads the language-modelling corpus once the context is known. With
-    ``model_config`` (an exported model's config) the model is not resolved again from presets or paths.
+    ``load_corpus(context)`` reads the language-modelling corpus once the context is known; a classification task
+    reads the labelled rows ``data`` names. With ``model_config`` (an exported model's config) the model is not
+    resolved again from presets or paths.
     """
-    model = config.model
-    if config.task == "lm":
+    if kind == "lm":
         if model_config is None:
             spec = resolve_model(model.preset, model.path, model.context, tokenizer.vocab_size, "lm")
         else:
             spec = ModelSpec(model_config, "lm", model.context or max_positions(model_config) or 0)
         if load_corpus is None:
             raise ValueError("build_task: task=lm needs load_corpus")
-        return LanguageModelling(spec, load_corpus(spec.context), config.seed)
+        return LanguageModelling(spec, load_corpus(spec.context), seed)
 
-    train_rows, val_rows = _labelled_splits(config.data)
+    train_rows, val_rows = _labelled_splits(data)
     labels = label_names(train_rows, val_rows)
     pad_id = _pad_id(tokenizer)
     if model_config is None:
@@ -256,4 +260,4 @@ def build_task(
         spec = ModelSpec(model_config, "classification", model.context or max_positions(model_config) or 0)
     train = LabelledSplit.encode(train_rows, tokenizer, spec.context, pad_id, labels)
     val = LabelledSplit.encode(val_rows, tokenizer, spec.context, pad_id, labels)
-    return Classification(spec, train, val, labels, config.seed)
+    return Classification(spec, train, val, labels, seed)

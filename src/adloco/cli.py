@@ -11,10 +11,15 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from adloco import __version__
 from adloco.errors import RenamedSettingWarning, first_line
+
+if TYPE_CHECKING:  # the command line imports these when a command needs them
+    from rich.console import Console
+
+    from adloco.config import TrainConfig
 
 EXIT_USAGE = 2
 
@@ -489,7 +494,7 @@ def _train(args: argparse.Namespace, load_config) -> int:
     return 0
 
 
-def _train_replica(config, resume: Path | None, console, verbose: bool) -> int:
+def _train_replica(config: TrainConfig, resume: Path | None, console: Console, verbose: bool) -> int:
     """``adloco train`` as one fault-tolerant replica of a job (fault_tolerance.lighthouse given)."""
     import torch
 

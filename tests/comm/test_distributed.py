@@ -137,7 +137,7 @@ def test_two_workers_of_two_shards_match_unsharded_workers_with_half_the_bytes_p
     for rank in rounds[-1]["ranks"]:  # its rows of its worker's pseudo-gradient, and the worker's report
         assert half_of_theta < rank["wire_bytes"] < 1.01 * half_of_theta
 
-    model, _, _ = load_parameters(dist_dir, resume_config(dist_dir), "latest")  # adloco gradients' reader
+    model, _, _ = load_parameters(dist_dir, "latest")  # adloco gradients' reader
     assert same_params(got, {name: p.detach() for name, p in model.named_parameters()})
 
     partial = cut_back(dist_dir, tmp_path / "partial", keep=2)

@@ -66,7 +66,7 @@ from adloco.run.state import PendingRound, RoundPlan, RunState
 from adloco.run.stopping import Interrupted, Stopped, StopSignals
 from adloco.sync.trainer import theta_device
 from adloco.workers.reports import BoundaryRequest
-from adloco.workers.tasks import Task, build_task, classification_texts, mean_next_token_loss
+from adloco.workers.tasks import Task, TaskSettings, build_task, classification_texts, mean_next_token_loss
 
 log = logging.getLogger("adloco")
 
@@ -207,7 +207,7 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
         if restart is not None and comm.rank == 0:
             _announce_restart(restart[0], run_dir, checkpoint, console)
         started = True
-        return _train_in(config, run_dir, run_task, tokenizer.describe(), checkpoint, console, comm, device)
+        return _train_in(_restore(config, run_dir, run_task, checkpoint, comm, device), tokenizer.describe(), console)
     except KeyboardInterrupt as raised:
         error = raised
         if isinstance(raised, Interrupted):
@@ -232,7 +232,7 @@ def _train_with(config: TrainConfig, resume: Path | None, console: Console, comm
             handler.close()
 
 
-def tokenizer_and_task(config: TrainConfig, resume: Path | None) -> tuple:
+def tokenizer_and_task(config: TaskSettings, resume: Path | None) -> tuple:
     """The run's tokenizer and task; a resumed run reloads the tokenizer it saved (a BPE is never trained twice)."""
     saved = resume / SAVED_DIR if resume is not None and config.data.tokenizer != "byte" else None
     if config.task == "classification":
@@ -305,8 +305,9 @@ def _say(console: Console, message: str) -> None:
     console.print(f"adloco: {message}", markup=False, highlight=False, soft_wrap=True)
 
 
-def _train_in(config, run_dir, run_task: Task, tokenizer_info, checkpoint, console, comm, device) -> TrainResult:
-    run = _restore(config, run_dir, run_task, checkpoint, comm, device)
+def _train_in(run: RunState, tokenizer_info: dict, console: Console) -> TrainResult:
+    """Rounds until the budget is spent (or a stop signal), then the final evaluation and export."""
+    config = run.config
     display = RunDisplay(
         console,
         config.method,
@@ -364,7 +365,14 @@ def _check_budget(run: RunState, console: Console) -> None:
         )
 
 
-def _restore(config, run_dir, run_task: Task, checkpoint, comm, device) -> RunState:
+def _restore(
+    config: TrainConfig,
+    run_dir: Path,
+    run_task: Task,
+    checkpoint: dict | None,
+    comm: Communicator,
+    device: torch.device,
+) -> RunState:
     """The cluster, from the checkpoint when resuming; the metrics writer and trackers on rank 0."""
     cluster = Cluster(config, run_task, comm, device)
     counters = {"round": 0, "tokens": 0, "step": 0, "bytes": 0, "seconds": 0.0}

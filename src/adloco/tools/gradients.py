@@ -26,7 +26,7 @@ from adloco.algorithms.batch_tests import BatchSizeController, GradientStatistic
 from adloco.algorithms.noise import batch_deviations, gram_of_rows, predicted_deviation, simple_noise_scale
 from adloco.algorithms.sharding import ShardLayout
 from adloco.checkpoint import TRAIN, CheckpointError, checkpoint_round, list_checkpoints, load_checkpoint, read_manifest
-from adloco.config import BatchConfig, ConfigError, TrainConfig
+from adloco.config import BatchConfig, ConfigError
 from adloco.data import SAVED_DIR, build_tokenizer, load_corpus
 from adloco.metrics.writer import read_metrics
 from adloco.workers.tasks import Task, build_task, load_theta
@@ -156,13 +156,14 @@ def _load_checkpoint(
 
 
 def load_parameters(
-    run_dir: Path, config: TrainConfig, checkpoint: str | int | None = None, trainer: int | None = None
+    run_dir: Path, checkpoint: str | int | None = None, trainer: int | None = None
 ) -> tuple[torch.nn.Module, Task, Source]:
-    """The model at the requested θ and the run's task: ``final`` (exported best trainer), ``latest`` or a round.
+    """The model at the requested θ and the run's task (built from the run's saved config): ``final`` (exported
+    best trainer), ``latest`` or a round. None picks ``final`` when the run exported a model and the latest
+    checkpoint otherwise."""
+    from adloco.config import resume_config
 
-    None picks ``final`` when the run exported a model and the latest checkpoint otherwise. ``config`` is the
-    run's whole config: the task is built from several of its sections and its seed.
-    """
+    config = resume_config(run_dir)
 
     def task_of(tokenizer: Any, model_config: Any = None) -> Task:
         return build_task(config.task, config.model, config.data, config.seed, tokenizer,
@@ -264,7 +265,7 @@ def analyze(
     if threads:
         torch.set_num_threads(threads)
     try:
-        model, task, source = load_parameters(run_dir, config, checkpoint, trainer)
+        model, task, source = load_parameters(run_dir, checkpoint, trainer)
         return _analyze(run_dir, model, task, source, config.batch, samples, batch_sizes, repeats, seed, out_dir, plots)
     finally:
         torch.set_num_threads(previous_threads)

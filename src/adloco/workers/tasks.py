@@ -32,6 +32,19 @@ EVAL_BATCH = 64
 STREAM_SEED_STRIDE = 1_000_003  # worker w of a run seeded s reads the stream seeded s · stride + w
 
 
+class TaskSettings(Protocol):
+    """What a run's task is built from (a run's config has them): its kind, the model and data sections, the seed."""
+
+    @property
+    def task(self) -> Literal["lm", "classification"]: ...
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def data(self) -> DataConfig: ...
+    @property
+    def seed(self) -> int: ...
+
+
 class Stream(Protocol):
     """A worker's endless sample stream: batches of tensors with one row per sample, and a cursor."""
 

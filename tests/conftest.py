@@ -15,6 +15,9 @@ from adloco.checkpoint import list_checkpoints
 # Tests never reach the hub: `datasets` and `transformers` read these when first imported, and this file is
 # imported before any test module; the dataset cache stays out of the user's home.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+if "PYTEST_XDIST_WORKER" in os.environ:  # two test processes share the cores: one torch thread each (and their jobs)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(tempfile.gettempdir(), "adloco-test-datasets-cache"))
 

@@ -15,6 +15,8 @@ from adloco import DiLoCo
 from tests.comm.test_distributed import _env, _free_port
 
 SCRIPT = Path(__file__).with_name("pitfalls_loop.py")
+# its scenarios share one torchrun launch (in_a_group): under pytest-xdist one test process runs them all
+pytestmark = pytest.mark.xdist_group("pitfalls")
 
 
 # The scenarios that run in a process group, one after another in one launch (starting torchrun costs more than

@@ -15,11 +15,12 @@ from adloco.checkpoint import list_checkpoints
 # Tests never reach the hub: `datasets` and `transformers` read these when first imported, and this file is
 # imported before any test module; the dataset cache stays out of the user's home.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-if "PYTEST_XDIST_WORKER" in os.environ:  # two test processes share the cores: one torch thread each (and their jobs)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(tempfile.gettempdir(), "adloco-test-datasets-cache"))
+# Two test processes (pytest-xdist) share the cores: one torch thread each, and in the processes their tests start.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 # A run small enough for the test suite: tiny LLaMA at context 16, two workers, a few rounds.
 # The time-aware controller's costs, pinned: its decisions then follow the statistics only and reproduce exactly
@@ -54,6 +55,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             config.hook.pytest_deselected(items=stress)
             items[:] = [item for item in items if not item.get_closest_marker("stress")]
     for item in items:
+        if item.get_closest_marker("stress"):  # their faults are timed in seconds: one scenario at a time
+            item.add_marker(pytest.mark.xdist_group("stress"))
         parts = Path(item.fspath).resolve().relative_to(tests).parts
         heavy = item.get_closest_marker("training") or item.get_closest_marker("process")
         if len(parts) > 1 and parts[0] in UNIT_PACKAGES and not heavy:

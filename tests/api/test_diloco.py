@@ -243,6 +243,14 @@ def test_localsgd_with_one_worker_is_plain_training():
     assert diloco.inner_step == 9 and diloco.round_step == 0
 
 
+def test_the_loops_settings_are_its_sections_and_the_old_name_still_reads_them():
+    model = _model()
+    diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=3, outer={"lr": 0.5})
+    assert (diloco.settings.method, diloco.settings.sync_every, diloco.settings.outer.lr) == ("diloco", 3, 0.5)
+    with pytest.warns(DeprecationWarning, match="DiLoCo.config is now DiLoCo.settings"):
+        assert diloco.config is diloco.settings
+
+
 def test_the_outer_step_is_the_outer_optimizers_own():
     """Default: Nesterov SGD lr 1, momentum 0.5 on Δ = θ − θ_m; a factory puts any torch optimizer there."""
     for factory in (None, lambda params: torch.optim.Adam(params, lr=0.05)):

@@ -27,13 +27,13 @@ def job_fingerprint(
     batch = (settings.batch.size, settings.batch.test, settings.batch.controller, settings.batch.memory.b_max)
     merge = (settings.trainers, settings.merge.policy, settings.merge.every, settings.merge.group_size)
     codec = (settings.codec.name, settings.codec.density, settings.codec.value_bits, settings.codec.chunk_size)
-    settings = {"method": settings.method, "sync_every": settings.sync_every, "streaming.fragments":
-                settings.streaming.fragments, "codec": codec, "batch": batch, "trainers and merge": merge,
-                "check_finite": check_finite}  # fmt: skip
+    agreed = {"method": settings.method, "sync_every": settings.sync_every, "streaming.fragments":
+              settings.streaming.fragments, "codec": codec, "batch": batch, "trainers and merge": merge,
+              "check_finite": check_finite}  # fmt: skip
     model = tuple((tuple(p.shape), str(p.dtype)) for p in rows)
     shard = (1, 0) if shards is None else (shards.count, shards.index)
     return {"shard": digest(shard), "model": digest((len(rows), sum(p.numel() for p in rows), model)),
-            **{name: digest(value) for name, value in settings.items()}}  # fmt: skip
+            **{name: digest(value) for name, value in agreed.items()}}  # fmt: skip
 
 
 def digest(value: Any) -> float:

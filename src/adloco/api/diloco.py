@@ -348,6 +348,13 @@ class DiLoCo(LoopState):
         return NO_BATCH if self._batch is None else self._batch
 
     @property
+    def config(self) -> LoopSettings:
+        """The earlier name of ``settings`` (a whole root config then), kept for one release."""
+        warnings.warn("DiLoCo.config is now DiLoCo.settings (the old name works until the next release)",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        return self.settings
+
+    @property
     def trainer(self) -> Trainer:
         """The trainer this rank's worker belongs to (with several trainers, another one after a merge)."""
         return next(t for t in self.trainers.values() if self.rank in t.worker_ids)

@@ -29,7 +29,7 @@ class RunIdentity:
 
     run: RunConfig
     label: str
-    settings: str
+    config_yaml: str
     elastic_workers: int | None = None
 
 
@@ -135,7 +135,7 @@ def restart_plan(identity: RunIdentity) -> tuple[str, str]:
     started = resume_config(run_dir)
     if started.elastic and identity.elastic_workers is not None:  # a restart with another world size resizes the job
         started = started.model_copy(update={"workers": identity.elastic_workers})
-    if started.to_yaml() != identity.settings:
+    if started.to_yaml() != identity.config_yaml:
         # A pointer left by another job of the same id: never mix two configurations in one directory.
         raise ConfigError(f"run directory '{run_dir}' named by '{pointer}' was started with another configuration")
     return ("resume" if list_checkpoints(run_dir / "checkpoints") else "again", str(run_dir))
@@ -173,7 +173,7 @@ def prepare_run_dir(identity: RunIdentity, resume: Path | None, again: Path | No
                 f"'{path}' held no checkpoint from an earlier start; starting it over"
             )
     try:
-        write_run_config(lock.run_dir, identity.settings)
+        write_run_config(lock.run_dir, identity.config_yaml)
         _record_job(identity.run, lock.run_dir)
     except BaseException:
         lock.release(None)
@@ -181,10 +181,10 @@ def prepare_run_dir(identity: RunIdentity, resume: Path | None, again: Path | No
     return lock
 
 
-def write_run_config(run_dir: Path, settings: str) -> None:
-    """``config.yaml`` (the config's YAML text), written whole or not at all."""
+def write_run_config(run_dir: Path, config_yaml: str) -> None:
+    """``config.yaml``, written whole or not at all."""
     try:
-        atomic_write_bytes(run_dir / RUN_CONFIG_FILE, settings.encode())
+        atomic_write_bytes(run_dir / RUN_CONFIG_FILE, config_yaml.encode())
     except OSError as error:
         raise ConfigError(f"run directory '{run_dir}' is not writable: {error.strerror}") from None
 

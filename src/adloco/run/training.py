@@ -121,10 +121,11 @@ def export_final(model: torch.nn.Module, theta: list[torch.Tensor], run_dir: Pat
     return final
 
 
-def make_communicator(settings: CommConfig) -> Communicator:
-    """torch.distributed when launched by torchrun, else a world of one rank in this process."""
+def make_communicator(comm: CommConfig) -> Communicator:
+    """torch.distributed when launched by torchrun (the ``comm`` section's backend), else a world of one rank in
+    this process."""
     if launched_by_torchrun():
-        return DistributedCommunicator(settings.backend, settings.timeout_s, settings.reduce)
+        return DistributedCommunicator(comm.backend, comm.timeout_s, comm.reduce)
     return LocalCommunicator()
 
 
@@ -431,7 +432,7 @@ def _restore(
 
 
 def _open_metrics(
-    settings: RunConfig, config: dict, run_dir: Path, counters: dict, checkpoint: dict | None
+    run: RunConfig, config: dict, run_dir: Path, counters: dict, checkpoint: dict | None
 ) -> MetricsWriter:
     """metrics.jsonl and the trackers; ``config`` is the whole run's, as the trackers record it."""
     return MetricsWriter(
@@ -442,9 +443,9 @@ def _open_metrics(
         renumber=int(checkpoint is not None and checkpoint["round"] == counters["round"] - 1),
         # Trackers hide their points after the checkpoint's inner step (all of them when starting over).
         trackers=open_trackers(
-            settings.trackers,
+            run.trackers,
             run_dir,
-            project=settings.project,
+            project=run.project,
             config=config,
             resume_step=counters["step"],
         ),

@@ -26,7 +26,7 @@ from adloco.algorithms.batch_tests import BatchSizeController, GradientStatistic
 from adloco.algorithms.noise import batch_deviations, gram_of_rows, predicted_deviation, simple_noise_scale
 from adloco.algorithms.sharding import ShardLayout
 from adloco.checkpoint import TRAIN, CheckpointError, checkpoint_round, list_checkpoints, load_checkpoint, read_manifest
-from adloco.config import BatchConfig, ConfigError
+from adloco.config import BatchConfig, ConfigError, resume_config
 from adloco.data import SAVED_DIR, build_tokenizer, load_corpus
 from adloco.metrics.writer import read_metrics
 from adloco.workers.tasks import Task, build_task, load_theta
@@ -161,8 +161,6 @@ def load_parameters(
     """The model at the requested θ and the run's task (built from the run's saved config): ``final`` (exported
     best trainer), ``latest`` or a round. None picks ``final`` when the run exported a model and the latest
     checkpoint otherwise."""
-    from adloco.config import resume_config
-
     config = resume_config(run_dir)
 
     def task_of(tokenizer: Any, model_config: Any = None) -> Task:
@@ -248,8 +246,6 @@ def analyze(
 
     ``threads`` (default: the run's ``threads`` setting) sets torch's CPU threads for the duration of the call.
     """
-    from adloco.config import resume_config
-
     if samples < 2:
         raise ConfigError(f"--samples must be >= 2 to measure a variance, got {samples}")
     if repeats < 1:

@@ -13,6 +13,7 @@ import torch
 
 from adloco.algorithms.sharding import ShardLayout
 from adloco.checkpoint import list_checkpoints, load_checkpoint
+from adloco.comm.distributed import DistributedCommunicator
 from adloco.config import build_config, resume_config
 from adloco.config.input import layered
 from adloco.metrics.writer import read_metrics
@@ -71,6 +72,23 @@ def _torchrun(ranks: int, args: list[str], cwd, timeout=240) -> subprocess.Compl
     result = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=_env())
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def test_a_communicator_ends_the_group_it_made_and_leaves_a_programs_own(tmp_path, monkeypatch):
+    """One rank in the test's process: adloco train's communicator makes the group from torchrun's variables and ends
+    it when the run closes it; a group the program made first outlives the run (the program may train another)."""
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                        "GLOO_SOCKET_IFNAME": "lo"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    DistributedCommunicator(backend="gloo", timeout_s=30).close()
+    assert not torch.distributed.is_initialized()
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1),
+                                         rank=0, world_size=1)  # fmt: skip
+    try:
+        DistributedCommunicator(backend="gloo", timeout_s=30).close()
+        assert torch.distributed.is_initialized()
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,8 @@ class DistributedCommunicator(ExchangeMixin):
     def __init__(self, backend: str = "auto", timeout_s: float = 300.0, reduce: str = "gather") -> None:
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if not dist.is_initialized():
+        made = not dist.is_initialized()
+        if made:
             start_process_group(backend, timeout_s)
         self.backend = backend
         self.reduce = reduce
@@ -79,7 +80,8 @@ class DistributedCommunicator(ExchangeMixin):
         # ``world_size`` then count the ranks that hold that shard, one per worker slot block.
         self.shards, self.shard = 1, 0
         self._world: Any = dist.group.WORLD
-        self._owns_world = True  # it made the process group, so closing it destroys the group
+        # a group it made is destroyed when it closes; a program's own group (made before adloco train) is left be
+        self._owns_world = made
         self.shard_group: Any = None
         self.shard_mesh: Any = None
         self._views: list[DistributedCommunicator] = []

@@ -4,10 +4,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 from safetensors.torch import load_file
 
 from adloco.checkpoint import list_checkpoints
@@ -61,6 +63,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         heavy = item.get_closest_marker("training") or item.get_closest_marker("process")
         if len(parts) > 1 and parts[0] in UNIT_PACKAGES and not heavy:
             item.add_marker(pytest.mark.unit)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest 9.2 keeps a test's id where pytest-xdist (3.8, the newest) cannot add the test's xdist_group: the stress
+    # scenarios would run side by side, and a launch shared by a module's tests once per test process.
+    grouping = config.getoption("dist", "no") == "loadgroup"
+    if grouping and pytest.version_tuple[:2] >= (9, 2) and Version(version("pytest-xdist")) <= Version("3.8.0"):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist {version('pytest-xdist')} cannot group tests: "
+            "install the dev extras' pytest (pip install -e '.[dev]')"
+        )
 
 
 @pytest.fixture(autouse=True)

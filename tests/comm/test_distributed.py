@@ -1,6 +1,8 @@
 """Real torch.distributed processes (gloo on loopback) against the in-process engine."""
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +33,7 @@ BASE = [
     "eval.blocks=8",
     "eval.final_full=false",
     "run.progress=false",
+    "run.plots=false",
     "threads=1",  # the same kernels in every process, so bits can be compared
 ]
 DILOCO = [*BASE, "method=diloco", "workers=4", "sync_every=4", "total_tokens=1024"]
@@ -247,95 +250,128 @@ def test_a_killed_rank_ends_the_job(tmp_path):
             proc.communicate(timeout=30)
 
 
+# -- two-rank jobs sharing one launch --------------------------------------------------------------------------------
+
+STREAMING = [*DILOCO, "method=streaming", "streaming.fragments=2", "streaming.overlap=1", "codec.name=topk",
+             "codec.density=0.05", "inner.optimizer=muon"]  # fmt: skip
+EAGER = [*DILOCO, "outer.overlap=eager"]
+AUTO_4_TO_16 = ["sync_auto.min=4", "sync_auto.start=4", "sync_auto.max=16", *PINNED_PACE]
+# How often two ranks meet: (method, exchanges per round or None, H), by job name.
+MEETINGS = {
+    "diloco": (["method=diloco", "workers=2"], 1, "8"),  # Δ and every worker's round report in one collective
+    # one per fragment, and the reports, whatever H: sync_every=auto on pinned costs takes H from 4 to 16 in one
+    # launch, and both ranks must choose the same H every round or the run would hang
+    "streaming": (["method=streaming", "workers=2", "streaming.fragments=2", *AUTO_4_TO_16], 3, "auto"),
+    # one trainer per rank: the round's exchange within each, and each trainer's state shared with the other
+    "adloco": (["method=adloco", "trainers=2", "workers=1", "merge.every=100", "batch.b_cap=4"], None, "4"),
+}
+
+
+def _meeting(method: list[str], sync_every: str) -> list[str]:
+    tokens = 16 * 8 * 3 * (8 if sync_every == "auto" else int(sync_every))
+    return [*BASE, "batch.size=1", *method, f"sync_every={sync_every}", f"total_tokens={tokens}"]
+
+
+STOPPABLE = [*DILOCO, "workers=2", "total_tokens=8192", "checkpoint.every=1000"]
+SHARDED_CHECKPOINTS = [*DILOCO, "workers=2", "total_tokens=512", "checkpoint.every=1", "checkpoint.format=sharded"]
+
+# The two-rank jobs compared with one process or counted, or started from, trained one after another in one launch.
+TWO_RANK_JOBS = {
+    "allreduce": [*DILOCO, "comm.reduce=allreduce"],
+    "eager": EAGER,
+    "streaming": STREAMING,
+    **{f"meet-{name}": _meeting(method, h) for name, (method, _, h) in MEETINGS.items()},
+    "ddp": [*BASE, "method=ddp", "workers=2", "sync_every=4", "total_tokens=1024"],
+    # a run never stopped that checkpoints at every round's end (on the time cadence, which both ranks must agree on)
+    "timed": [*STOPPABLE, "checkpoint.every_minutes=1e-9", "checkpoint.keep=1000"],
+    "sharded-checkpoints": SHARDED_CHECKPOINTS,
+}
+# the tests reading the shared launch run in one test process (pytest-xdist), so it is made once
+shared_launch = pytest.mark.xdist_group("two-rank-jobs")
+
+
+@pytest.fixture(scope="module")
+def two_rank_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The root holding every job of TWO_RANK_JOBS, each in its run directory of the same name."""
+    root = tmp_path_factory.mktemp("two-rank-jobs")
+    jobs = {name: layered(items, [f"run.root={root}", f"run.name={name}"]) for name, items in TWO_RANK_JOBS.items()}
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={_free_port()}", str(Path(__file__).with_name("two_rank_jobs.py")),
+               str(root / "jobs.json")]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=root, timeout=300, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
+
 @pytest.mark.process
-def test_streaming_with_a_codec_and_muon_matches_in_process(tmp_path):
+@shared_launch
+def test_streaming_with_a_codec_and_muon_matches_in_process(tmp_path, two_rank_jobs):
     """One rank of 4 stacked workers against 2 ranks of 2: Muon steps each worker's matrices the same either way,
     and the top-k payloads (with their error feedback) gather to the same mean."""
-    streaming = [*DILOCO, "method=streaming", "streaming.fragments=2", "streaming.overlap=1", "codec.name=topk",
-                 "codec.density=0.05", "inner.optimizer=muon"]  # fmt: skip
-    local = train(build_config(overrides=[*streaming, f"run.root={tmp_path}", "run.name=local"]))
-    _torchrun(2, [*streaming, f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
-    assert same_params(final_params(local.run_dir), final_params(tmp_path / "dist"))
+    local = train(build_config(overrides=[*STREAMING, f"run.root={tmp_path}", "run.name=local"]))
+    assert same_params(final_params(local.run_dir), final_params(two_rank_jobs / "streaming"))
 
 
 @pytest.mark.process
-def test_allreduce_mode_agrees_with_the_exact_sum(tmp_path, diloco_reference):
+@shared_launch
+def test_allreduce_mode_agrees_with_the_exact_sum(diloco_reference, two_rank_jobs):
     """comm.reduce=allreduce pre-sums a rank's slots and all-reduces: same result up to summation order."""
-    _torchrun(2, [*DILOCO, f"run.root={tmp_path}", "run.name=dist", "comm.reduce=allreduce"], cwd=tmp_path)
-    expected, got = final_params(diloco_reference), final_params(tmp_path / "dist")
+    expected, got = final_params(diloco_reference), final_params(two_rank_jobs / "allreduce")
     assert all(torch.allclose(expected[k], got[k], atol=1e-5, rtol=1e-4) for k in expected)
-    rounds = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "round"]
+    rounds = [r for r in read_metrics(two_rank_jobs / "allreduce" / "metrics.jsonl") if r["kind"] == "round"]
     params = sum(t.numel() for t in got.values())
     # each rank hands the backend one summed pseudo-gradient (counted twice for the ring's two phases)
     assert rounds[-1]["ranks"][0]["wire_bytes"] >= 2 * 4 * params
 
 
 @pytest.mark.process
-def test_eager_overlap_matches_in_process(tmp_path):
+@shared_launch
+def test_eager_overlap_matches_in_process(tmp_path, two_rank_jobs):
     """Eager updates keep an exchange in flight across a whole round: 2 ranks still give the in-process bits."""
-    eager = [*DILOCO, "outer.overlap=eager"]
-    local = train(build_config(overrides=[*eager, f"run.root={tmp_path}", "run.name=local"]))
-    _torchrun(2, [*eager, f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
-    assert same_params(final_params(local.run_dir), final_params(tmp_path / "dist"))
+    local = train(build_config(overrides=[*EAGER, f"run.root={tmp_path}", "run.name=local"]))
+    assert same_params(final_params(local.run_dir), final_params(two_rank_jobs / "eager"))
 
 
-AUTO_4_TO_16 = ["sync_auto.min=4", "sync_auto.start=4", "sync_auto.max=16", *PINNED_PACE]
-
-
-def _exchanges_per_round(tmp_path, name: str, overrides: list[str]) -> list[list[int]]:
+def _exchanges_per_round(run_dir: Path) -> list[list[int]]:
     """Per round after the first (which holds the start-up handshake) and before the last (maybe shorter):
     each rank's count of blocking exchanges."""
-    _torchrun(2, [*overrides, f"run.root={tmp_path}", f"run.name={name}"], cwd=tmp_path)
-    rounds = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["kind"] == "round"]
+    rounds = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "round"]
     assert len(rounds) >= 3
     return [[rank["exchanges"] for rank in r["ranks"]] for r in rounds[1:-1]]
 
 
 @pytest.mark.process
-@pytest.mark.parametrize(
-    ("method", "per_round", "sync_every"),
-    [
-        (["method=diloco", "workers=2"], 1, "8"),  # Δ and every worker's round report in one collective
-        # one per fragment, and the reports, whatever H: sync_every=auto on pinned costs takes H from 4 to 16 in
-        # one launch, and both ranks must choose the same H every round or the run would hang
-        (["method=streaming", "workers=2", "streaming.fragments=2", *AUTO_4_TO_16], 3, "auto"),
-        # one trainer per rank: the round's exchange within each, and each trainer's state shared with the other
-        (["method=adloco", "trainers=2", "workers=1", "merge.every=100", "batch.b_cap=4"], None, "4"),
-    ],
-)
-def test_ranks_meet_a_fixed_number_of_times_per_round_whatever_h(tmp_path, method, per_round, sync_every):
+@shared_launch
+@pytest.mark.parametrize("method", list(MEETINGS))
+def test_ranks_meet_a_fixed_number_of_times_per_round_whatever_h(two_rank_jobs, method):
     """2 ranks: low-communication methods meet per round, not per inner step."""
-    tokens = 16 * 8 * 3 * (8 if sync_every == "auto" else int(sync_every))
-    overrides = [*BASE, "batch.size=1", *method, f"sync_every={sync_every}", f"total_tokens={tokens}"]
-    counts = _exchanges_per_round(tmp_path, "job", overrides)
+    _, per_round, sync_every = MEETINGS[method]
+    counts = _exchanges_per_round(two_rank_jobs / f"meet-{method}")
     assert len({n for r in counts for n in r}) == 1, counts
     if per_round is not None:
         assert counts[0] == [per_round, per_round]
     if sync_every == "auto":
-        rounds = [r for r in read_metrics(tmp_path / "job" / "metrics.jsonl") if r["kind"] == "round"]
+        rounds = [r for r in read_metrics(two_rank_jobs / f"meet-{method}" / "metrics.jsonl") if r["kind"] == "round"]
         assert [r["sync_every"] for r in rounds[:4]] == [4, 16, 16, 16]
 
 
 @pytest.mark.process
-def test_ddp_meets_once_per_inner_step(tmp_path):
-    rounds = _exchanges_per_round(
-        tmp_path, "ddp", [*BASE, "method=ddp", "workers=2", "sync_every=4", "total_tokens=1024"]
-    )
+@shared_launch
+def test_ddp_meets_once_per_inner_step(two_rank_jobs):
+    rounds = _exchanges_per_round(two_rank_jobs / "ddp")
     assert rounds and all(r == [4, 4] for r in rounds)
 
 
 # -- stop signals under torchrun -------------------------------------------------------------------------------------
 
-STOPPABLE = [*DILOCO, "workers=2", "total_tokens=8192", "checkpoint.every=1000"]
-
 
 @pytest.mark.process
-def test_sigterm_to_torchrun_stops_both_ranks_at_one_boundary_and_the_resume_is_bit_identical(tmp_path):
+@shared_launch
+def test_sigterm_to_torchrun_stops_both_ranks_at_one_boundary_and_the_resume_is_bit_identical(tmp_path, two_rank_jobs):
     """torchrun passes SIGTERM to its workers; they stop at the same round end, rank 0 checkpoints, and a
     resume gives the bits of a run never stopped (one that checkpointed every round on the time cadence)."""
-    timed = ["checkpoint.every_minutes=1e-9", "checkpoint.keep=1000"]
-    _torchrun(2, [*STOPPABLE, *timed, f"run.root={tmp_path}", "run.name=reference"], cwd=tmp_path)
-    reference = tmp_path / "reference"
+    reference = two_rank_jobs / "timed"
     rounds = [r for r in read_metrics(reference / "metrics.jsonl") if r["kind"] == "round"]
     assert len(list_checkpoints(reference / "checkpoints")) == len(rounds)  # both ranks agreed on every one
 
@@ -390,7 +426,7 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_round(tmp_path, method):
 
 
 # An elastic job that loses a machine and gets it back: (workers = ranks, token budget so far) per launch.
-ELASTIC = [*BASE, "method=diloco", "sync_every=2", "elastic=true", "checkpoint.every=1", "run.plots=false"]
+ELASTIC = [*BASE, "method=diloco", "sync_every=2", "elastic=true", "checkpoint.every=1"]
 RESIZES = [(3, 384), (2, 640), (3, 1024)]
 
 
@@ -424,12 +460,14 @@ def test_an_elastic_job_goes_from_3_to_2_to_3_ranks_as_in_one_process(tmp_path):
 
 
 @pytest.mark.process
-def test_a_damaged_newest_sharded_checkpoint_is_said_once_on_the_console_and_the_one_before_used(tmp_path):
+@shared_launch
+def test_a_damaged_newest_sharded_checkpoint_is_said_once_on_the_console_and_the_one_before_used(
+    tmp_path, two_rank_jobs
+):
     """The job's sharded checkpoints: the newest loses DCP's .metadata; every rank falls back to the same older one
     and rank 0 says so on the terminal, naming the damage and the round it resumes from."""
-    args = [*DILOCO, "workers=2", "total_tokens=512", "checkpoint.every=1", "checkpoint.format=sharded"]
-    _torchrun(2, [*args, f"run.root={tmp_path}", "run.name=job"], cwd=tmp_path)
     run_dir = tmp_path / "job"
+    shutil.copytree(two_rank_jobs / "sharded-checkpoints", run_dir)  # the job of SHARDED_CHECKPOINTS, damaged here
     older, newest = list_checkpoints(run_dir / "checkpoints")[-2:]
     (newest / ".metadata").unlink()
     result = _torchrun(2, ["--resume", str(run_dir), "total_tokens=768"], cwd=tmp_path)

@@ -1,6 +1,9 @@
 """A transformers.Trainer run made DiLoCo, and the same training as a plain loop, under torchrun.
 
-    python -m torch.distributed.run --nproc_per_node=2 hf_trainer_run.py OUT trainer|resume|loop
+    python -m torch.distributed.run --nproc_per_node=2 hf_trainer_run.py OUT MODE [OUT MODE ...]
+
+MODE is one of trainer, resume, loop; the runs one after another in one launch (starting torchrun
+and two ranks costs more than these runs train).
 
 ``trainer``: Trainer.train() with ``use_diloco``, saving a checkpoint mid-round (after step 6 of 4-step rounds);
 ``resume``: the same run resumed from that checkpoint (OUT names the first run's files); ``loop``: a plain loop over
@@ -90,5 +93,6 @@ def main(out: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    for out, mode in zip(sys.argv[1::2], sys.argv[2::2], strict=True):
+        main(out, mode)
     end_process_group()

@@ -1,6 +1,9 @@
 """A Lightning fit made DiLoCo, and the same training as a plain loop, under torchrun.
 
-    python -m torch.distributed.run --nproc_per_node=2 lightning_run.py OUT lightning|resume|loop
+    python -m torch.distributed.run --nproc_per_node=2 lightning_run.py OUT MODE [OUT MODE ...]
+
+MODE is one of lightning, resume, loop; the runs one after another in one launch (starting torchrun
+and two ranks costs more than these runs train).
 
 ``lightning``: ``Trainer(strategy="ddp", callbacks=[DiLoCoCallback(...)]).fit`` over epochs of 5 steps, saving
 Lightning's checkpoint at the end of the first (mid-round: rounds of 4); ``resume``: the same fit resumed from that
@@ -56,7 +59,8 @@ def main(out: str, mode: str) -> None:
         trainer.fit(module, DataLoader(data, batch_size=2), ckpt_path=resume)
         theta = callback.diloco.theta
     else:
-        dist.init_process_group("gloo")
+        if not dist.is_initialized():  # a fit earlier in this launch made it
+            dist.init_process_group("gloo")
         # what Lightning puts in a training loader under DDP: a shuffling distributed sampler, seed 0, epoch by epoch
         sampler = DistributedSampler(data, shuffle=True, seed=0)
         loader = DataLoader(data, batch_size=2, sampler=sampler)
@@ -86,5 +90,6 @@ def _epochs(loader: DataLoader, sampler: DistributedSampler):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    for out, mode in zip(sys.argv[1::2], sys.argv[2::2], strict=True):
+        main(out, mode)
     end_process_group()

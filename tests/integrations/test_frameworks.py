@@ -22,12 +22,14 @@ HERE = Path(__file__).resolve().parent
 SYNC_EVERY = 4
 
 
-def _launch(script: str, out: Path, mode: str) -> None:
+def _launch(script: str, *runs: tuple[Path, str]) -> None:
+    """The runs (OUT, MODE) of ``script`` one after another in one launch of two ranks."""
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parents[1]), env.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", str(HERE / script), str(out), mode]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, cwd=out.parent, timeout=300, env=env)
+               f"--master_port={_free_port()}", str(HERE / script)]  # fmt: skip
+    command += [item for out, mode in runs for item in (str(out), mode)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=runs[0][0].parent, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -38,13 +40,12 @@ def _same(a: dict, b: dict) -> bool:
 @pytest.mark.process
 @pytest.mark.parametrize(("script", "framework"), [("hf_trainer_run.py", "trainer"), ("lightning_run.py", "lightning")])
 def test_a_framework_run_is_diloco_and_equals_the_plain_loop(tmp_path, script, framework):
-    for mode in (framework, "loop"):
-        _launch(script, tmp_path / f"{mode}.pt", mode)
+    _launch(script, *[(tmp_path / f"{mode}.pt", mode) for mode in (framework, "loop")])
     got, plain = torch.load(tmp_path / f"{framework}.pt"), torch.load(tmp_path / "loop.pt")
     assert _same(got, plain)
     # the framework's own checkpoint mid-round (the Trainer's after step 6, Lightning's at the end of the first
     # epoch, step 5), resumed in a new launch
-    _launch(script, tmp_path / f"{framework}.pt", "resume")
+    _launch(script, (tmp_path / f"{framework}.pt", "resume"))
     assert _same(got, torch.load(tmp_path / f"{framework}.pt.resumed"))
     first, second = (torch.load(tmp_path / f"{framework}.pt.rank{r}") for r in (0, 1))
     for step, (a, b) in enumerate(zip(first, second, strict=True), start=1):

@@ -79,19 +79,23 @@ def _torchrun(ranks: int, args: list[str], cwd, timeout=240) -> subprocess.Compl
 
 def test_a_communicator_ends_the_group_it_made_and_leaves_a_programs_own(tmp_path, monkeypatch):
     """One rank in the test's process: adloco train's communicator makes the group from torchrun's variables and ends
-    it when the run closes it; a group the program made first outlives the run (the program may train another)."""
+    it when the run closes it; a group the program made first outlives the run (the program may train another), and
+    its backend is the one the communicator uses, whatever the config asked."""
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
                         "GLOO_SOCKET_IFNAME": "lo"}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
-    DistributedCommunicator(backend="gloo", timeout_s=30).close()
-    assert not torch.distributed.is_initialized()
-    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1),
-                                         rank=0, world_size=1)  # fmt: skip
     try:
         DistributedCommunicator(backend="gloo", timeout_s=30).close()
+        assert not torch.distributed.is_initialized()
+        torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1),
+                                             rank=0, world_size=1)  # fmt: skip
+        comm = DistributedCommunicator(backend="nccl", timeout_s=30)
+        assert (comm.backend, comm.device.type) == ("gloo", "cpu")
+        comm.close()
         assert torch.distributed.is_initialized()
-    finally:
-        torch.distributed.destroy_process_group()
+    finally:  # a failure here leaves no group behind for the next test in this process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +108,9 @@ def diloco_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.process
 def test_diloco_two_ranks_of_two_slots_equal_one_rank_of_four(tmp_path, diloco_reference):
-    result = _torchrun(2, [*DILOCO, f"run.root={tmp_path}", "run.name=dist"], cwd=tmp_path)
+    result = _torchrun(2, [*DILOCO, f"run.root={tmp_path}", "run.name=dist", "run.plots=true"], cwd=tmp_path)
     assert result.stdout.count("final validation loss") == 1  # rank 0 speaks for the job
+    assert (tmp_path / "dist" / "plots" / "loss.png").is_file()
     assert same_params(final_params(diloco_reference), final_params(tmp_path / "dist"))
     rounds = [r for r in read_metrics(tmp_path / "dist" / "metrics.jsonl") if r["kind"] == "round"]
     assert [r["rank"] for r in rounds[0]["ranks"]] == [0, 1]
@@ -299,7 +304,8 @@ def two_rank_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={_free_port()}", str(Path(__file__).with_name("two_rank_jobs.py")),
                str(root / "jobs.json")]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, cwd=root, timeout=300, env=_env())
+    timeout = 120 + 60 * len(jobs)  # a minute a job, where each takes a few seconds
+    result = subprocess.run(command, capture_output=True, text=True, cwd=root, timeout=timeout, env=_env())
     assert result.returncode == 0, result.stderr[-3000:]
     return root
 

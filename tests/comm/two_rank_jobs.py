@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from adloco import end_process_group
 from adloco.cli import main
 from adloco.comm.distributed import start_process_group
 
@@ -24,7 +25,7 @@ def run_jobs(jobs: dict[str, list[str]]) -> None:
         if code != 0:
             sys.exit(f"job {name}: adloco train ended with exit code {code}")
         dist.barrier()  # the next job starts on both ranks after this one ended on both
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -2,8 +2,7 @@
 
     python -m torch.distributed.run --nproc_per_node=2 hf_trainer_run.py OUT MODE [OUT MODE ...]
 
-MODE is one of trainer, resume, loop; the runs one after another in one launch (starting torchrun
-and two ranks costs more than these runs train).
+MODE is one of trainer, resume, loop; the runs one after another in one launch.
 
 ``trainer``: Trainer.train() with ``use_diloco``, saving a checkpoint mid-round (after step 6 of 4-step rounds);
 ``resume``: the same run resumed from that checkpoint (OUT names the first run's files); ``loop``: a plain loop over

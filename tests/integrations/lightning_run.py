@@ -2,8 +2,7 @@
 
     python -m torch.distributed.run --nproc_per_node=2 lightning_run.py OUT MODE [OUT MODE ...]
 
-MODE is one of lightning, resume, loop; the runs one after another in one launch (starting torchrun
-and two ranks costs more than these runs train).
+MODE is one of lightning, resume, loop; the runs one after another in one launch.
 
 ``lightning``: ``Trainer(strategy="ddp", callbacks=[DiLoCoCallback(...)]).fit`` over epochs of 5 steps, saving
 Lightning's checkpoint at the end of the first (mid-round: rounds of 4); ``resume``: the same fit resumed from that

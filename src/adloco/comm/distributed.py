@@ -63,11 +63,13 @@ class DistributedCommunicator(ExchangeMixin):
     """
 
     def __init__(self, backend: str = "auto", timeout_s: float = 300.0, reduce: str = "gather") -> None:
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
         made = not dist.is_initialized()
         if made:
+            if backend == "auto":
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
             start_process_group(backend, timeout_s)
+        else:  # the program's group: its backend and timeout are the program's
+            backend = str(dist.get_backend())
         self.backend = backend
         self.reduce = reduce
         self.rank = dist.get_rank()
@@ -80,7 +82,7 @@ class DistributedCommunicator(ExchangeMixin):
         # ``world_size`` then count the ranks that hold that shard, one per worker slot block.
         self.shards, self.shard = 1, 0
         self._world: Any = dist.group.WORLD
-        # a group it made is destroyed when it closes; a program's own group (made before adloco train) is left be
+        # closing ends the process group it made; one that existed before is the program's to end
         self._owns_world = made
         self.shard_group: Any = None
         self.shard_mesh: Any = None

@@ -143,9 +143,9 @@ def train(
 ) -> TrainResult:
     """Run training to the token budget (or continue a run from its last checkpoint).
 
-    Under torchrun every rank calls this; rank 0 alone writes the run directory. It makes the process group and
-    ends it with the run, unless the program made the group first: then the group is left to the program, which
-    may train several runs in one launch.
+    Under torchrun every rank calls this; rank 0 alone writes the run directory. Given no ``comm``, it makes the
+    process group and ends it with the run, unless the program made the group first: then the group (its backend
+    and timeout) is the program's, which may train several runs in it and ends it (``adloco.end_process_group``).
     """
     console = console or Console(stderr=True)
     torchrun = comm is not None and comm.world_size > 1 or launched_by_torchrun()
